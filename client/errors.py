@@ -1,0 +1,70 @@
+"""Every error commctx raises, in one hierarchy.
+
+Server answers become `RendezvousError` subclasses in one place
+(`commctx.transport.error_from_rpc`); local misuse raises `CommContextError`.
+"""
+
+from __future__ import annotations
+
+
+class CommCtxError(Exception):
+    """Base class of every commctx error."""
+
+
+class CommContextError(CommCtxError):
+    """CommContext was used in a way its state does not allow (not initialised,
+    already initialised, a value it cannot know)."""
+
+
+class GroupNotFound(CommContextError, KeyError):
+    """No group is registered for a mode on this rank (also a KeyError, as in the seed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class RendezvousError(CommCtxError):
+    """The rendezvous server refused or could not serve a request.
+
+    Attributes:
+        code: the gRPC status code name, e.g. "FAILED_PRECONDITION".
+        details: the server's message.
+    """
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidRequest(RendezvousError):
+    """INVALID_ARGUMENT: a request field is malformed; the message names it."""
+
+
+class JobConflict(RendezvousError):
+    """FAILED_PRECONDITION: the request disagrees with the job (world size, node
+    rank, address family) or the job cannot form."""
+
+
+class StaleGeneration(JobConflict):
+    """FAILED_PRECONDITION: the caller holds a generation that is no longer current."""
+
+
+class RankTaken(RendezvousError):
+    """ALREADY_EXISTS: another worker holds that local rank or node rank."""
+
+
+class JobFull(RendezvousError):
+    """RESOURCE_EXHAUSTED: the job already has all its workers."""
+
+
+class MemberNotFound(RendezvousError):
+    """NOT_FOUND: unknown job or member (left, expired or never joined)."""
+
+
+class RendezvousTimeout(RendezvousError, TimeoutError):
+    """DEADLINE_EXCEEDED: the world did not form in time; the message says who is missing."""
+
+
+class ServerUnavailable(RendezvousError):
+    """UNAVAILABLE: the server cannot be reached or is shutting down."""

@@ -1,0 +1,62 @@
+"""Which address a worker advertises, which interface carries it, and the
+listening socket that becomes the job's TCPStore port if this worker is rank 0."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import psutil
+
+
+def route_source_address(host: str, port: int) -> str:
+    """The local address the kernel would use to reach host:port.
+
+    Connecting a UDP socket sends nothing; it only selects a route. This is the
+    address peers can reach us on as long as they reach the server the same way.
+
+    Raises:
+        OSError: the host does not resolve or no route leads to it.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    last: OSError | None = None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+            except OSError as exc:
+                last = exc
+                continue
+            return s.getsockname()[0]
+    raise last or OSError(f"no address for {host!r}")
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds `address`, if any."""
+    wanted = ipaddress.ip_address(address)
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    if ipaddress.ip_address(a.address.split("%")[0]) == wanted:
+                        return name
+                except ValueError:
+                    continue
+    return None
+
+
+def listen_socket(address: str) -> socket.socket:
+    """A TCP socket listening on an OS-chosen port of `address`.
+
+    The port stays held until the socket is handed to torch's TCPStore (rank 0)
+    or closed, so no other process can take it in between.
+    """
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((address, 0))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,188 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobSpec(_message.Message):
+    __slots__ = ("world_size",)
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    def __init__(self, world_size: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NODE_KEY_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    spec: JobSpec
+    node_key: str
+    address: str
+    master_port: int
+    local_rank: int
+    node_rank: int
+    wait_timeout_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class JoinEvent(_message.Message):
+    __slots__ = ("joined", "assignment")
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    joined: Joined
+    assignment: Assignment
+    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
+
+class Joined(_message.Message):
+    __slots__ = ("member_id", "lease_ttl_ms", "joined")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    lease_ttl_ms: int
+    joined: int
+    def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., joined: _Optional[int] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    DIST_URL_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    rank: int
+    world_size: int
+    node_rank: int
+    num_nodes: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    dist_url: str
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("mode", "index", "ranks", "group_rank")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    index: int
+    ranks: RankSet
+    group_rank: int
+    def __init__(self, mode: _Optional[str] = ..., index: _Optional[int] = ..., ranks: _Optional[_Union[RankSet, _Mapping]] = ..., group_rank: _Optional[int] = ...) -> None: ...
+
+class RankSet(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RankRun]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RankRun, _Mapping]]] = ...) -> None: ...
+
+class RankRun(_message.Message):
+    __slots__ = ("start", "count", "stride")
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    count: int
+    stride: int
+    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "generation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    generation: int
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ttl_ms", "generation")
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_ms: int
+    generation: int
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("job_id", "member_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobDescription(_message.Message):
+    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[JobDescription.State]
+        FORMING: _ClassVar[JobDescription.State]
+        FORMED: _ClassVar[JobDescription.State]
+        FAILED: _ClassVar[JobDescription.State]
+    STATE_UNSPECIFIED: JobDescription.State
+    FORMING: JobDescription.State
+    FORMED: JobDescription.State
+    FAILED: JobDescription.State
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FORMING_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobDescription.State
+    generation: int
+    spec: JobSpec
+    joined: int
+    missing: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeDescription]
+    reason: str
+    forming_for_s: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ...) -> None: ...
+
+class NodeDescription(_message.Message):
+    __slots__ = ("node_key", "address", "workers", "node_rank")
+    NODE_KEY_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    node_key: str
+    address: str
+    workers: int
+    node_rank: int
+    def __init__(self, node_key: _Optional[str] = ..., address: _Optional[str] = ..., workers: _Optional[int] = ..., node_rank: _Optional[int] = ...) -> None: ...

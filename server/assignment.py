@@ -1,0 +1,269 @@
+"""Rank and group assignment: a pure function of the joined members.
+
+No I/O, no clock, no grpc. Given the members of a job (in join order) and its
+world size, `plan_world` decides node ranks, local ranks, global ranks, the
+master endpoint and the membership of every communication group. The same
+input always gives the same output.
+
+Rules:
+  * Nodes are the distinct node keys. A node whose workers gave an explicit
+    node rank takes it; the other nodes fill the free node ranks in ascending
+    numeric-aware order of their keys ("node7" before "node66").
+  * Within a node, explicit local ranks are kept; the other workers fill the
+    free local ranks in join order. Local ranks end up 0..size-1.
+  * Global rank = sizes of all lower-ranked nodes + local rank.
+  * Groups: GLOBAL (everyone), INTRA_NODE (one per node), INTER_NODE (one per
+    local rank i, holding local rank i of every node that has one).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+GLOBAL = "GLOBAL"
+INTRA_NODE = "INTRA_NODE"
+INTER_NODE = "INTER_NODE"
+
+
+class PlanError(ValueError):
+    """The members cannot form a valid world; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemberSpec:
+    """What the assignment needs to know about one joined worker."""
+
+    member_id: str
+    node_key: str
+    address: str
+    master_port: int
+    local_rank: int | None = None
+    node_rank: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankRun:
+    """The ranks start, start + stride, ..., count of them."""
+
+    start: int
+    count: int
+    stride: int = 1
+
+    def ranks(self) -> range:
+        return range(self.start, self.start + self.count * self.stride, self.stride)
+
+
+RankSet = tuple[RankRun, ...]
+
+
+def compress(ranks: Sequence[int]) -> RankSet:
+    """Encodes an ascending rank list as arithmetic runs (greedy, deterministic)."""
+    runs: list[RankRun] = []
+    i, n = 0, len(ranks)
+    while i < n:
+        if i + 1 == n:
+            runs.append(RankRun(ranks[i], 1, 1))
+            break
+        stride = ranks[i + 1] - ranks[i]
+        j = i + 1
+        while j + 1 < n and ranks[j + 1] - ranks[j] == stride:
+            j += 1
+        runs.append(RankRun(ranks[i], j - i + 1, stride))
+        i = j + 1
+    return tuple(runs)
+
+
+def expand(runs: RankSet) -> list[int]:
+    """The inverse of `compress`."""
+    return [r for run in runs for r in run.ranks()]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One communication group: its mode, which one of that mode, its members."""
+
+    mode: str
+    index: int
+    ranks: RankSet
+    size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Membership:
+    """A worker's seat in one group: the group and its position in it."""
+
+    group: GroupSpec
+    group_rank: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodePlacement:
+    node_key: str
+    node_rank: int
+    first_rank: int
+    size: int
+    address: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one worker sits in the world."""
+
+    member_id: str
+    rank: int
+    node_rank: int
+    local_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldPlan:
+    """The complete world of one generation."""
+
+    world_size: int
+    nodes: tuple[NodePlacement, ...]
+    placements: Mapping[str, Placement]
+    master_addr: str
+    master_port: int
+    _inter: tuple[tuple[GroupSpec, tuple[int, ...]], ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def dist_url(self) -> str:
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"tcp://{host}:{self.master_port}"
+
+    def global_group(self) -> GroupSpec:
+        return GroupSpec(GLOBAL, 0, (RankRun(0, self.world_size, 1),), self.world_size)
+
+    def intra_group(self, node_rank: int) -> GroupSpec:
+        node = self.nodes[node_rank]
+        return GroupSpec(INTRA_NODE, node_rank, (RankRun(node.first_rank, node.size, 1),), node.size)
+
+    def inter_group(self, local_rank: int) -> GroupSpec:
+        return self._inter[local_rank][0]
+
+    def memberships(self, member_id: str) -> tuple[Membership, ...]:
+        """The groups `member_id` belongs to, in canonical creation order.
+
+        Raises:
+            KeyError: `member_id` is not part of this world.
+        """
+        p = self.placements[member_id]
+        inter, inter_ranks = self._inter[p.local_rank]
+        return (
+            Membership(self.global_group(), p.rank),
+            Membership(self.intra_group(p.node_rank), p.local_rank),
+            Membership(inter, bisect.bisect_left(inter_ranks, p.rank)),
+        )
+
+    def all_groups(self) -> dict[str, list[GroupSpec]]:
+        """Every group of the world, by mode (for describing and testing)."""
+        return {
+            GLOBAL: [self.global_group()],
+            INTRA_NODE: [self.intra_group(n) for n in range(self.num_nodes)],
+            INTER_NODE: [g for g, _ in self._inter],
+        }
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def node_sort_key(node_key: str) -> tuple:
+    """Numeric-aware key: 'node7' < 'node66'; ties broken by the raw string."""
+    parts = _DIGITS.split(node_key)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), node_key
+
+
+def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
+    """Assigns every member its ranks and builds the group plan.
+
+    Args:
+        members: The joined workers in join order; exactly `world_size` of them.
+        world_size: The job's world size.
+
+    Returns:
+        The world plan.
+
+    Raises:
+        PlanError: explicit node or local ranks cannot all be honoured, or the
+            member count is not the world size.
+    """
+    if len(members) != world_size:
+        raise PlanError(f"{len(members)} workers joined but world_size is {world_size}")
+
+    by_node: dict[str, list[MemberSpec]] = {}
+    for m in members:
+        by_node.setdefault(m.node_key, []).append(m)
+    num_nodes = len(by_node)
+
+    explicit: dict[int, str] = {}
+    implicit: list[str] = []
+    for key, node_members in by_node.items():
+        wanted = {m.node_rank for m in node_members if m.node_rank is not None}
+        if len(wanted) > 1:
+            raise PlanError(f"node {key!r} was given node ranks {sorted(wanted)}; a node has one")
+        if not wanted:
+            implicit.append(key)
+            continue
+        (nr,) = wanted
+        if nr >= num_nodes:
+            raise PlanError(f"node {key!r} asked for node_rank {nr} but the job has {num_nodes} nodes")
+        if nr in explicit:
+            raise PlanError(f"nodes {explicit[nr]!r} and {key!r} both asked for node_rank {nr}")
+        explicit[nr] = key
+    implicit.sort(key=node_sort_key)
+    free = iter(r for r in range(num_nodes) if r not in explicit)
+    order = dict(explicit)
+    for key in implicit:
+        order[next(free)] = key
+
+    nodes: list[NodePlacement] = []
+    placements: dict[str, Placement] = {}
+    first_rank = 0
+    for node_rank in range(num_nodes):
+        key = order[node_rank]
+        node_members = by_node[key]
+        size = len(node_members)
+        seats: list[MemberSpec | None] = [None] * size
+        for m in node_members:
+            if m.local_rank is None:
+                continue
+            if m.local_rank >= size:
+                raise PlanError(
+                    f"node {key!r} has {size} workers but one asked for local_rank {m.local_rank}"
+                )
+            if seats[m.local_rank] is not None:
+                raise PlanError(f"two workers on node {key!r} asked for local_rank {m.local_rank}")
+            seats[m.local_rank] = m
+        gaps = iter(i for i, s in enumerate(seats) if s is None)
+        for m in node_members:
+            if m.local_rank is None:
+                seats[next(gaps)] = m
+        for local_rank, m in enumerate(seats):
+            assert m is not None  # every seat is filled: len(seats) == len(node_members)
+            placements[m.member_id] = Placement(m.member_id, first_rank + local_rank, node_rank, local_rank)
+        nodes.append(NodePlacement(key, node_rank, first_rank, size, seats[0].address))
+        first_rank += size
+
+    max_size = max(n.size for n in nodes)
+    inter: list[tuple[GroupSpec, tuple[int, ...]]] = []
+    for i in range(max_size):
+        ranks = tuple(n.first_rank + i for n in nodes if n.size > i)
+        inter.append((GroupSpec(INTER_NODE, i, compress(ranks), len(ranks)), ranks))
+
+    rank0 = next(m for m in members if placements[m.member_id].rank == 0)
+    return WorldPlan(
+        world_size=world_size,
+        nodes=tuple(nodes),
+        placements=MappingProxyType(placements),
+        master_addr=rank0.address,
+        master_port=rank0.master_port,
+        _inter=tuple(inter),
+    )

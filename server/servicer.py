@@ -1,0 +1,235 @@
+"""The gRPC adapter: validate the request, call the domain, map errors.
+
+No business logic lives here. Every domain error maps to a status code through
+`STATUS_OF`; anything else becomes INTERNAL (never UNKNOWN) and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from ipaddress import ip_address
+from typing import TypeVar
+
+import grpc
+
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .assignment import GroupSpec
+from .errors import (
+    AlreadyExists,
+    Conflict,
+    InvalidArgument,
+    JobFull,
+    NotFound,
+    RendezvousError,
+    StaleGeneration,
+    Unavailable,
+    WaitTimeout,
+)
+from .state import Assignment, JobSpec, JobState, JobView, JoinParams, Rendezvous
+
+log = logging.getLogger("commctx.server")
+
+STATUS_OF: dict[type[RendezvousError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    Conflict: grpc.StatusCode.FAILED_PRECONDITION,
+    StaleGeneration: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    JobFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    WaitTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+MAX_WORLD_SIZE = 1 << 20
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+_MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
+_STATE = {
+    JobState.FORMING: pb.JobDescription.FORMING,
+    JobState.FORMED: pb.JobDescription.FORMED,
+    JobState.FAILED: pb.JobDescription.FAILED,
+}
+
+T = TypeVar("T")
+
+
+def _name(kind: str, value: str, pattern: re.Pattern[str], max_len: int, rule: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{kind} is empty")
+    if len(value) > max_len:
+        raise InvalidArgument(f"{kind} {value[:32]!r}... is {len(value)} characters; at most {max_len} allowed")
+    if not pattern.fullmatch(value):
+        raise InvalidArgument(f"{kind} {value!r} is malformed: {rule}")
+    return value
+
+
+def job_id_of(value: str) -> str:
+    return _name("job_id", value, _JOB_ID, 128, "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+
+
+def member_id_of(value: str) -> str:
+    return _name("member_id", value, _MEMBER_ID, 64, "a member id is the hex string Join returned")
+
+
+def join_params(r: pb.JoinRequest) -> JoinParams:
+    """Validates a JoinRequest.
+
+    Raises:
+        InvalidArgument: naming the first bad field and its value.
+    """
+    job_id = job_id_of(r.job_id)
+    node_key = _name(
+        "node_key", r.node_key, _NODE_KEY, 253,
+        "use letters, digits, '.', '_', ':' and '-', starting with a letter or digit",
+    )
+    world_size = r.spec.world_size
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"spec.world_size {world_size} is out of range 1..{MAX_WORLD_SIZE}")
+    try:
+        address = str(ip_address(r.address))
+    except ValueError:
+        raise InvalidArgument(
+            f"address {r.address[:64]!r} is not an IP address; advertise an address peers can reach"
+        ) from None
+    if ip_address(address).is_unspecified:
+        raise InvalidArgument(f"address {address} is unspecified; advertise an address peers can reach")
+    if not 1 <= r.master_port <= 65535:
+        raise InvalidArgument(f"master_port {r.master_port} is out of range 1..65535")
+    local_rank = r.local_rank if r.HasField("local_rank") else None
+    if local_rank is not None and local_rank >= world_size:
+        raise InvalidArgument(f"local_rank {local_rank} is not below world_size {world_size}")
+    node_rank = r.node_rank if r.HasField("node_rank") else None
+    if node_rank is not None and node_rank >= world_size:
+        raise InvalidArgument(f"node_rank {node_rank} is not below world_size {world_size}")
+    return JoinParams(job_id, JobSpec(world_size), node_key, address, r.master_port, local_rank, node_rank)
+
+
+def _rank_set(group: GroupSpec) -> pb.RankSet:
+    return pb.RankSet(runs=[pb.RankRun(start=r.start, count=r.count, stride=r.stride) for r in group.ranks])
+
+
+def assignment_proto(a: Assignment) -> pb.Assignment:
+    plan, p = a.plan, a.placement
+    return pb.Assignment(
+        job_id=a.job_id,
+        generation=a.generation,
+        rank=p.rank,
+        world_size=plan.world_size,
+        node_rank=p.node_rank,
+        num_nodes=plan.num_nodes,
+        local_rank=p.local_rank,
+        local_world_size=plan.nodes[p.node_rank].size,
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+        dist_url=plan.dist_url,
+        groups=[
+            pb.Group(mode=m.group.mode, index=m.group.index, ranks=_rank_set(m.group), group_rank=m.group_rank)
+            for m in plan.memberships(p.member_id)
+        ],
+    )
+
+
+def description_proto(v: JobView) -> pb.JobDescription:
+    return pb.JobDescription(
+        job_id=v.job_id,
+        state=_STATE[v.state],
+        generation=v.generation,
+        spec=pb.JobSpec(world_size=v.spec.world_size),
+        joined=v.joined,
+        missing=v.missing,
+        nodes=[
+            pb.NodeDescription(
+                node_key=n.node_key, address=n.address, workers=n.workers,
+                node_rank=n.node_rank if n.node_rank is not None else 0,
+            )
+            for n in v.nodes
+        ],
+        reason=v.reason,
+        forming_for_s=v.forming_for_s,
+    )
+
+
+ERROR_KEY = "commctx-error"  # trailing metadata naming the domain error class
+
+
+def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    if isinstance(exc, RendezvousError):
+        return STATUS_OF[type(exc)], str(exc), ((ERROR_KEY, type(exc).__name__),)
+    log.error("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+
+
+class RendezvousServicer(pb_grpc.RendezvousServicer):
+    """Serves commctx.v1.Rendezvous over a `Rendezvous` domain object."""
+
+    def __init__(self, rendezvous: Rendezvous) -> None:
+        self._rdzv = rendezvous
+        self.draining = False
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # every failure leaves through the status table
+            failure = _status_of(exc)
+        await context.abort(*failure)
+        raise AssertionError("unreachable: abort raises")
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JoinEvent]:
+        def join():
+            if self.draining:
+                raise Unavailable("the server is shutting down; join another rendezvous server or retry")
+            params = join_params(request)
+            return params, self._rdzv.join(params)
+
+        params, joined = await self._call(context, join)
+        log.debug("join job=%s member=%s node=%s", params.job_id, joined.member_id, params.node_key)
+        failure: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
+        try:
+            yield pb.JoinEvent(
+                joined=pb.Joined(
+                    member_id=joined.member_id,
+                    lease_ttl_ms=round(joined.lease_ttl_s * 1000),
+                    joined=joined.joined,
+                )
+            )
+            timeout = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else None
+            remaining = context.time_remaining()
+            if remaining is not None:
+                # Answer with who is missing before the caller's own deadline cuts the call.
+                cap = remaining - min(1.0, remaining * 0.1)
+                timeout = cap if timeout is None else min(timeout, cap)
+            try:
+                assignment = await self._rdzv.wait_assignment(params.job_id, joined.member_id, timeout)
+                event = pb.JoinEvent(assignment=assignment_proto(assignment))
+            except Exception as exc:
+                failure = _status_of(exc)
+            else:
+                yield event
+        finally:
+            self._rdzv.withdraw(params.job_id, joined.member_id)
+        if failure is not None:
+            await context.abort(*failure)
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
+        def renew():
+            ttl, generation = self._rdzv.keep_alive(
+                job_id_of(request.job_id), member_id_of(request.member_id), request.generation
+            )
+            return pb.KeepAliveResponse(lease_ttl_ms=round(ttl * 1000), generation=generation)
+
+        return await self._call(context, renew)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        def leave():
+            self._rdzv.leave(job_id_of(request.job_id), member_id_of(request.member_id))
+            log.info("leave job=%s member=%s", request.job_id, request.member_id)
+            return pb.LeaveResponse()
+
+        return await self._call(context, leave)
+
+    async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription:
+        return await self._call(context, lambda: description_proto(self._rdzv.describe(job_id_of(request.job_id))))

@@ -1,0 +1,412 @@
+"""Job membership: the rendezvous state machine, leases and waiting.
+
+A job moves FORMING -> FORMED (generation g) as soon as `world_size` workers
+have joined, or FORMING -> FAILED when the joined workers cannot form a valid
+world (explicit ranks that cannot all be honoured). A worker is bound to its
+Join call until the world forms (leaving the call withdraws it) and to its
+lease afterwards. A job disappears when its last member leaves or expires.
+
+All mutation is synchronous and happens on the server's event loop, so no
+locks are needed; waiting is the only coroutine. The clock is injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import ipaddress
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from .assignment import MemberSpec, PlanError, Placement, WorldPlan, node_sort_key, plan_world
+from .errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration, WaitTimeout
+
+log = logging.getLogger("commctx.server")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobSpec:
+    """Parameters every worker of a job must agree on."""
+
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JoinParams:
+    """A validated join request."""
+
+    job_id: str
+    spec: JobSpec
+    node_key: str
+    address: str
+    master_port: int
+    local_rank: int | None = None
+    node_rank: int | None = None
+
+
+class JobState(enum.Enum):
+    FORMING = "forming"
+    FORMED = "formed"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Joined:
+    job_id: str
+    member_id: str
+    lease_ttl_s: float
+    joined: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assignment:
+    """A member's seat in the world of one generation."""
+
+    job_id: str
+    generation: int
+    placement: Placement
+    plan: WorldPlan
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeView:
+    node_key: str
+    address: str
+    workers: int
+    node_rank: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobView:
+    """What DescribeJob reports."""
+
+    job_id: str
+    state: JobState
+    generation: int
+    spec: JobSpec
+    joined: int
+    missing: int
+    nodes: tuple[NodeView, ...]
+    reason: str
+    forming_for_s: float
+
+
+class _Member:
+    __slots__ = ("spec", "lease_deadline")
+
+    def __init__(self, spec: MemberSpec, lease_deadline: float) -> None:
+        self.spec = spec
+        self.lease_deadline = lease_deadline
+
+
+class _Node:
+    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers")
+
+    def __init__(self, key: str, address: str) -> None:
+        self.key = key
+        self.address = address
+        self.node_rank: int | None = None
+        self.local_ranks: dict[int, str] = {}  # explicit local rank -> member id
+        self.workers = 0
+
+
+class _Job:
+    __slots__ = (
+        "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks",
+        "plan", "reason", "forming_since", "loopback", "changed",
+    )
+
+    def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.state = JobState.FORMING
+        self.generation = 0
+        self.members: dict[str, _Member] = {}  # insertion order = join order
+        self.nodes: dict[str, _Node] = {}
+        self.node_ranks: dict[int, str] = {}  # explicit node rank -> node key
+        self.plan: WorldPlan | None = None
+        self.reason = ""
+        self.forming_since = now
+        self.loopback = loopback
+        self.changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Wakes every waiter; they re-check the state."""
+        event, self.changed = self.changed, asyncio.Event()
+        event.set()
+
+    def shortfall(self) -> str:
+        nodes = ", ".join(f"{n.key}×{n.workers}" for n in self.nodes.values()) or "none"
+        missing = self.spec.world_size - len(self.members)
+        return (
+            f"{len(self.members)} of {self.spec.world_size} workers joined "
+            f"(nodes present: {nodes}); {missing} missing"
+        )
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+class Rendezvous:
+    """Every job the server holds, and the rules for joining and leaving them."""
+
+    def __init__(
+        self,
+        *,
+        lease_ttl_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        new_member_id: Callable[[], str] = lambda: secrets.token_hex(8),
+    ) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self._clock = clock
+        self._new_member_id = new_member_id
+        self._jobs: dict[str, _Job] = {}
+
+    # -- joining -------------------------------------------------------------
+
+    def join(self, p: JoinParams) -> Joined:
+        """Registers a worker; forms the world when it is the last one needed.
+
+        Raises:
+            Conflict: the spec, a node rank or the address family disagrees with
+                the job, or the job has failed.
+            AlreadyExists: the local rank or node rank is held by another worker.
+            JobFull: the job already has `world_size` workers.
+        """
+        job = self._jobs.get(p.job_id)
+        loopback = _is_loopback(p.address)
+        if job is not None:
+            self._check_admissible(job, p, loopback)
+        node = job.nodes.get(p.node_key) if job is not None else None
+        if node is not None:
+            self._check_node(job, node, p)
+        elif job is not None and p.node_rank is not None and p.node_rank in job.node_ranks:
+            raise AlreadyExists(
+                f"node_rank {p.node_rank} is already held by node {job.node_ranks[p.node_rank]!r} "
+                f"in job {p.job_id!r}; node {p.node_key!r} cannot take it"
+            )
+
+        now = self._clock()
+        if job is None:
+            job = self._jobs[p.job_id] = _Job(p.job_id, p.spec, loopback, now)
+        if node is None:
+            node = job.nodes[p.node_key] = _Node(p.node_key, p.address)
+        member_id = self._new_member_id()
+        if p.node_rank is not None and node.node_rank is None:
+            node.node_rank = p.node_rank
+            job.node_ranks[p.node_rank] = node.key
+        if p.local_rank is not None:
+            node.local_ranks[p.local_rank] = member_id
+        node.workers += 1
+        spec = MemberSpec(member_id, node.key, p.address, p.master_port, p.local_rank, p.node_rank)
+        job.members[member_id] = _Member(spec, now + self.lease_ttl_s)
+        if len(job.members) == job.spec.world_size:
+            self._form(job)
+        return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members))
+
+    def _check_admissible(self, job: _Job, p: JoinParams, loopback: bool) -> None:
+        if job.spec != p.spec:
+            raise Conflict(
+                f"job {job.job_id!r} has world_size={job.spec.world_size} but this worker "
+                f"asked for world_size={p.spec.world_size}"
+            )
+        if job.state is JobState.FAILED:
+            raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
+        if job.state is JobState.FORMED or len(job.members) >= job.spec.world_size:
+            raise JobFull(
+                f"job {job.job_id!r} already has all {job.spec.world_size} workers "
+                f"(generation {job.generation}); node {p.node_key!r} cannot join it"
+            )
+        if loopback != job.loopback:
+            first = next(iter(job.nodes.values()))
+            raise Conflict(
+                f"job {job.job_id!r}: node {first.key!r} advertises {first.address} but this worker "
+                f"(node {p.node_key!r}) advertises {p.address}; a job cannot mix loopback and "
+                f"routable addresses, since peers on other hosts cannot reach a loopback address"
+            )
+
+    def _check_node(self, job: _Job, node: _Node, p: JoinParams) -> None:
+        if p.node_rank is not None:
+            if node.node_rank is not None and node.node_rank != p.node_rank:
+                raise Conflict(
+                    f"node {node.key!r} of job {job.job_id!r} has node_rank {node.node_rank} but this "
+                    f"worker asked for node_rank {p.node_rank}"
+                )
+            holder = job.node_ranks.get(p.node_rank)
+            if holder is not None and holder != node.key:
+                raise AlreadyExists(
+                    f"node_rank {p.node_rank} is already held by node {holder!r} in job {job.job_id!r}"
+                )
+        if p.local_rank is not None and p.local_rank in node.local_ranks:
+            raise AlreadyExists(
+                f"local_rank {p.local_rank} on node {node.key!r} of job {job.job_id!r} is already "
+                f"held by member {node.local_ranks[p.local_rank]}"
+            )
+
+    def _form(self, job: _Job) -> None:
+        try:
+            plan = plan_world([m.spec for m in job.members.values()], job.spec.world_size)
+        except PlanError as exc:
+            job.state = JobState.FAILED
+            job.reason = str(exc)
+            log.warning("job failed job=%s reason=%s", job.job_id, job.reason)
+        else:
+            job.state = JobState.FORMED
+            job.generation += 1
+            job.plan = plan
+            job.reason = ""
+            log.info(
+                "job formed job=%s generation=%d world_size=%d nodes=%d",
+                job.job_id, job.generation, plan.world_size, plan.num_nodes,
+            )
+        job.notify()
+
+    async def wait_assignment(self, job_id: str, member_id: str, timeout_s: float | None) -> Assignment:
+        """Waits until the member's world has formed.
+
+        Raises:
+            NotFound: the member is gone (left, expired).
+            Conflict: the job failed to form; the message says why.
+            WaitTimeout: not formed within `timeout_s`; the message says who is missing.
+        """
+        job = self._job(job_id)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    if member_id not in job.members or self._jobs.get(job_id) is not job:
+                        raise NotFound(f"member {member_id} left job {job_id!r} while waiting")
+                    if job.state is JobState.FAILED:
+                        raise Conflict(f"job {job_id!r} cannot form: {job.reason}")
+                    if job.state is JobState.FORMED and job.plan is not None:
+                        placement = job.plan.placements.get(member_id)
+                        if placement is not None:
+                            return Assignment(job_id, job.generation, placement, job.plan)
+                    await job.changed.wait()
+        except TimeoutError:
+            raise WaitTimeout(
+                f"job {job_id!r} did not form within {timeout_s:g} s: {job.shortfall()}"
+            ) from None
+
+    def withdraw(self, job_id: str, member_id: str) -> None:
+        """The member's Join call ended. Before the world forms this removes it;
+        afterwards its lease governs."""
+        job = self._jobs.get(job_id)
+        if job is None or member_id not in job.members:
+            return
+        if job.state is JobState.FORMED and job.plan is not None and member_id in job.plan.placements:
+            return
+        self._remove(job, member_id, wake=False)
+
+    # -- leases and leaving ----------------------------------------------------
+
+    def keep_alive(self, job_id: str, member_id: str, generation: int) -> tuple[float, int]:
+        """Renews a member's lease.
+
+        Returns:
+            (lease ttl in seconds, the job's current generation).
+
+        Raises:
+            NotFound: unknown job or member.
+            StaleGeneration: `generation` is neither 0 nor the job's current one.
+        """
+        job = self._job(job_id)
+        member = self._member(job, member_id)
+        if generation and generation != job.generation:
+            raise StaleGeneration(
+                f"member {member_id} of job {job_id!r} holds generation {generation} but the "
+                f"current generation is {job.generation}"
+            )
+        member.lease_deadline = self._clock() + self.lease_ttl_s
+        return self.lease_ttl_s, job.generation
+
+    def leave(self, job_id: str, member_id: str) -> None:
+        """Removes a member.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        self._member(job, member_id)
+        self._remove(job, member_id)
+
+    def expire(self) -> list[tuple[str, str]]:
+        """Removes every member whose lease has run out; returns (job, member) pairs."""
+        now = self._clock()
+        expired = [
+            (job, mid)
+            for job in self._jobs.values()
+            for mid, m in job.members.items()
+            if m.lease_deadline < now
+        ]
+        for job, mid in expired:
+            self._remove(job, mid)
+        return [(job.job_id, mid) for job, mid in expired]
+
+    def _remove(self, job: _Job, member_id: str, *, wake: bool = True) -> None:
+        member = job.members.pop(member_id)
+        node = job.nodes[member.spec.node_key]
+        node.workers -= 1
+        if member.spec.local_rank is not None:
+            node.local_ranks.pop(member.spec.local_rank, None)
+        if node.workers == 0:
+            del job.nodes[node.key]
+            if node.node_rank is not None:
+                job.node_ranks.pop(node.node_rank, None)
+        if not job.members:
+            del self._jobs[job.job_id]
+        if wake:  # a waiting member that expired or left learns it at once
+            job.notify()
+
+    # -- reading -----------------------------------------------------------------
+
+    def describe(self, job_id: str) -> JobView:
+        """Raises NotFound for an unknown job."""
+        job = self._job(job_id)
+        if job.state is JobState.FORMED and job.plan is not None:
+            present = {n.node_key for n in job.nodes.values()}
+            nodes = tuple(
+                NodeView(n.node_key, n.address, job.nodes[n.node_key].workers, n.node_rank)
+                for n in job.plan.nodes
+                if n.node_key in present
+            )
+            reason = ""
+        else:
+            nodes = tuple(
+                NodeView(n.key, n.address, n.workers, n.node_rank)
+                for n in sorted(job.nodes.values(), key=lambda n: node_sort_key(n.key))
+            )
+            reason = job.reason if job.state is JobState.FAILED else f"waiting: {job.shortfall()}"
+        return JobView(
+            job_id=job.job_id,
+            state=job.state,
+            generation=job.generation,
+            spec=job.spec,
+            joined=len(job.members),
+            missing=max(job.spec.world_size - len(job.members), 0) if job.state is JobState.FORMING else 0,
+            nodes=nodes,
+            reason=reason,
+            forming_for_s=self._clock() - job.forming_since,
+        )
+
+    def job_ids(self) -> list[str]:
+        return list(self._jobs)
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id!r} on this server")
+        return job
+
+    @staticmethod
+    def _member(job: _Job, member_id: str) -> _Member:
+        member = job.members.get(member_id)
+        if member is None:
+            raise NotFound(
+                f"member {member_id!r} is not in job {job.job_id!r} (it left, its lease expired, "
+                f"or it never joined); join again"
+            )
+        return member
