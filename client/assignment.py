@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from commctx.v1 import rendezvous_pb2 as pb
@@ -37,15 +38,13 @@ class Assignment:
 
     @classmethod
     def from_proto(cls, a: pb.Assignment, member_id: str) -> Assignment:
-        groups = tuple(
-            GroupInfo(
-                mode=g.mode,
-                index=g.index,
-                ranks=tuple(r for run in g.ranks.runs for r in range(run.start, run.start + run.count * (run.stride or 1), run.stride or 1)),
-                group_rank=g.group_rank,
+        groups = []
+        for g in a.groups:
+            ranks = tuple(
+                r for run in g.ranks.runs
+                for r in range(run.start, run.start + run.count * (run.stride or 1), run.stride or 1)
             )
-            for g in a.groups
-        )
+            groups.append(GroupInfo(mode=g.mode, index=g.index, ranks=ranks, group_rank=bisect.bisect_left(ranks, a.rank)))
         return cls(
             job_id=a.job_id,
             member_id=member_id,
@@ -59,7 +58,7 @@ class Assignment:
             master_addr=a.master_addr,
             master_port=a.master_port,
             dist_url=a.dist_url,
-            groups=groups,
+            groups=tuple(groups),
         )
 
     def torch_env(self) -> dict[str, str]:

@@ -41,7 +41,7 @@ class Session:
         self._closed = False
 
     def join(self, request: pb.JoinRequest, timeout_s: float) -> Assignment:
-        """Joins and blocks until the world has formed.
+        """Joins and blocks until the world has formed, then starts the keep-alive.
 
         Raises:
             RendezvousError: the server refused the join (a subclass says why),
@@ -52,27 +52,21 @@ class Session:
         self._job_id = request.job_id
         # The server answers DEADLINE_EXCEEDED (with who is missing) at timeout_s;
         # the call's own deadline only guards against a server that went silent.
-        call = self._stub.Join(request, timeout=timeout_s + 10.0, wait_for_ready=True)
+        # wait_for_ready: a worker may start before the server does.
         try:
-            for event in call:
-                if event.HasField("joined"):
-                    self.member_id = event.joined.member_id
-                    self._ttl_s = event.joined.lease_ttl_ms / 1000
-                    self._start_keepalive()
-                elif event.HasField("assignment"):
-                    self.assignment = Assignment.from_proto(event.assignment, self.member_id or "")
-                    self._generation = self.assignment.generation
+            response = self._stub.Join(request, timeout=timeout_s + 10.0, wait_for_ready=True)
         except grpc.RpcError as exc:
-            self._stop_keepalive()
             err = error_from_rpc(exc)
-            if self.member_id is None and isinstance(err, RendezvousTimeout):
+            if isinstance(err, RendezvousTimeout) and "did not form" not in err.details:
                 raise ServerUnavailable(
-                    err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s:g} s"
+                    err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s + 10:g} s"
                 ) from exc
             raise err from exc
-        if self.assignment is None:
-            self._stop_keepalive()
-            raise ServerUnavailable("UNAVAILABLE", "the Join call ended without an assignment")
+        self.member_id = response.member_id
+        self._ttl_s = response.lease_ttl_ms / 1000
+        self.assignment = Assignment.from_proto(response.assignment, response.member_id)
+        self._generation = self.assignment.generation
+        self._start_keepalive()
         return self.assignment
 
     def _start_keepalive(self) -> None:

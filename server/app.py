@@ -89,6 +89,9 @@ async def start_server(
             ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
             # Clients ping every 30 s while a Join waits; allow it.
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # A whole job joins at once; gRPC core would cancel calls beyond 3,000 queued.
+            ("grpc.server.max_pending_requests", 1 << 17),
+            ("grpc.server.max_pending_requests_hard_limit", 1 << 18),
         ]
     )
     rendezvous = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock)

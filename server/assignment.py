@@ -18,11 +18,11 @@ Rules:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import NamedTuple
 
 GLOBAL = "GLOBAL"
 INTRA_NODE = "INTRA_NODE"
@@ -33,8 +33,7 @@ class PlanError(ValueError):
     """The members cannot form a valid world; the message says why."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class MemberSpec:
+class MemberSpec(NamedTuple):
     """What the assignment needs to know about one joined worker."""
 
     member_id: str
@@ -93,14 +92,6 @@ class GroupSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Membership:
-    """A worker's seat in one group: the group and its position in it."""
-
-    group: GroupSpec
-    group_rank: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class NodePlacement:
     node_key: str
     node_rank: int
@@ -109,8 +100,7 @@ class NodePlacement:
     address: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Placement:
+class Placement(NamedTuple):
     """Where one worker sits in the world."""
 
     member_id: str
@@ -128,48 +118,25 @@ class WorldPlan:
     placements: Mapping[str, Placement]
     master_addr: str
     master_port: int
-    _inter: tuple[tuple[GroupSpec, tuple[int, ...]], ...]
+    global_group: GroupSpec
+    intra_groups: tuple[GroupSpec, ...]  # by node rank
+    inter_groups: tuple[GroupSpec, ...]  # by local rank
 
-    @property
-    def num_nodes(self) -> int:
-        return len(self.nodes)
+    num_nodes: int
+    dist_url: str  # tcp://master_addr:master_port (IPv6 in brackets)
 
-    @property
-    def dist_url(self) -> str:
-        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
-        return f"tcp://{host}:{self.master_port}"
-
-    def global_group(self) -> GroupSpec:
-        return GroupSpec(GLOBAL, 0, (RankRun(0, self.world_size, 1),), self.world_size)
-
-    def intra_group(self, node_rank: int) -> GroupSpec:
-        node = self.nodes[node_rank]
-        return GroupSpec(INTRA_NODE, node_rank, (RankRun(node.first_rank, node.size, 1),), node.size)
-
-    def inter_group(self, local_rank: int) -> GroupSpec:
-        return self._inter[local_rank][0]
-
-    def memberships(self, member_id: str) -> tuple[Membership, ...]:
+    def groups_of(self, member_id: str) -> tuple[GroupSpec, ...]:
         """The groups `member_id` belongs to, in canonical creation order.
 
         Raises:
             KeyError: `member_id` is not part of this world.
         """
         p = self.placements[member_id]
-        inter, inter_ranks = self._inter[p.local_rank]
-        return (
-            Membership(self.global_group(), p.rank),
-            Membership(self.intra_group(p.node_rank), p.local_rank),
-            Membership(inter, bisect.bisect_left(inter_ranks, p.rank)),
-        )
+        return self.global_group, self.intra_groups[p.node_rank], self.inter_groups[p.local_rank]
 
-    def all_groups(self) -> dict[str, list[GroupSpec]]:
-        """Every group of the world, by mode (for describing and testing)."""
-        return {
-            GLOBAL: [self.global_group()],
-            INTRA_NODE: [self.intra_group(n) for n in range(self.num_nodes)],
-            INTER_NODE: [g for g, _ in self._inter],
-        }
+    def all_groups(self) -> dict[str, tuple[GroupSpec, ...]]:
+        """Every group of the world, by mode."""
+        return {GLOBAL: (self.global_group,), INTRA_NODE: self.intra_groups, INTER_NODE: self.inter_groups}
 
 
 _DIGITS = re.compile(r"(\d+)")
@@ -252,18 +219,22 @@ def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
         nodes.append(NodePlacement(key, node_rank, first_rank, size, seats[0].address))
         first_rank += size
 
-    max_size = max(n.size for n in nodes)
-    inter: list[tuple[GroupSpec, tuple[int, ...]]] = []
-    for i in range(max_size):
-        ranks = tuple(n.first_rank + i for n in nodes if n.size > i)
-        inter.append((GroupSpec(INTER_NODE, i, compress(ranks), len(ranks)), ranks))
+    inter = []
+    for i in range(max(n.size for n in nodes)):
+        ranks = [n.first_rank + i for n in nodes if n.size > i]
+        inter.append(GroupSpec(INTER_NODE, i, compress(ranks), len(ranks)))
 
     rank0 = next(m for m in members if placements[m.member_id].rank == 0)
+    host = f"[{rank0.address}]" if ":" in rank0.address else rank0.address
     return WorldPlan(
         world_size=world_size,
         nodes=tuple(nodes),
         placements=MappingProxyType(placements),
         master_addr=rank0.address,
         master_port=rank0.master_port,
-        _inter=tuple(inter),
+        global_group=GroupSpec(GLOBAL, 0, (RankRun(0, world_size, 1),), world_size),
+        intra_groups=tuple(GroupSpec(INTRA_NODE, n.node_rank, (RankRun(n.first_rank, n.size, 1),), n.size) for n in nodes),
+        inter_groups=tuple(inter),
+        num_nodes=num_nodes,
+        dist_url=f"tcp://{host}:{rank0.master_port}",
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -60,6 +61,10 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    # A job's joins arrive as one burst of short-lived objects; Python's default
+    # gen-0 threshold (700) would run the collector thousands of times a burst.
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
     asyncio.run(serve(args))
     return 0
 

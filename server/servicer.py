@@ -6,10 +6,11 @@ No business logic lives here. Every domain error maps to a status code through
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
-from ipaddress import ip_address
+import socket
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -89,14 +90,7 @@ def join_params(r: pb.JoinRequest) -> JoinParams:
     world_size = r.spec.world_size
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise InvalidArgument(f"spec.world_size {world_size} is out of range 1..{MAX_WORLD_SIZE}")
-    try:
-        address = str(ip_address(r.address))
-    except ValueError:
-        raise InvalidArgument(
-            f"address {r.address[:64]!r} is not an IP address; advertise an address peers can reach"
-        ) from None
-    if ip_address(address).is_unspecified:
-        raise InvalidArgument(f"address {address} is unspecified; advertise an address peers can reach")
+    address, loopback = _address(r.address)
     if not 1 <= r.master_port <= 65535:
         raise InvalidArgument(f"master_port {r.master_port} is out of range 1..65535")
     local_rank = r.local_rank if r.HasField("local_rank") else None
@@ -105,32 +99,51 @@ def join_params(r: pb.JoinRequest) -> JoinParams:
     node_rank = r.node_rank if r.HasField("node_rank") else None
     if node_rank is not None and node_rank >= world_size:
         raise InvalidArgument(f"node_rank {node_rank} is not below world_size {world_size}")
-    return JoinParams(job_id, JobSpec(world_size), node_key, address, r.master_port, local_rank, node_rank)
+    return JoinParams(job_id, JobSpec(world_size), node_key, address, r.master_port, local_rank, node_rank, loopback)
 
 
-def _rank_set(group: GroupSpec) -> pb.RankSet:
-    return pb.RankSet(runs=[pb.RankRun(start=r.start, count=r.count, stride=r.stride) for r in group.ranks])
+def _address(value: str) -> tuple[str, bool]:
+    """Canonical form of an IP literal, and whether it is a loopback address."""
+    family = socket.AF_INET6 if ":" in value else socket.AF_INET
+    try:
+        packed = socket.inet_pton(family, value)
+    except (OSError, ValueError):
+        raise InvalidArgument(
+            f"address {value[:64]!r} is not an IP address; advertise an address peers can reach"
+        ) from None
+    if packed == bytes(len(packed)):
+        raise InvalidArgument(f"address {value} is unspecified; advertise an address peers can reach")
+    if family == socket.AF_INET:
+        return socket.inet_ntop(family, packed), packed[0] == 127
+    if packed[:12] == bytes(10) + b"\xff\xff":  # IPv4-mapped
+        return socket.inet_ntop(family, packed), packed[12] == 127
+    return socket.inet_ntop(family, packed), packed == bytes(15) + b"\x01"
 
 
-def assignment_proto(a: Assignment) -> pb.Assignment:
+@functools.lru_cache(maxsize=4096)  # every member of a group shares the same message
+def _group_proto(group: GroupSpec) -> pb.Group:
+    runs = [pb.RankRun(start=r.start, count=r.count, stride=r.stride) for r in group.ranks]
+    return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs))
+
+
+def join_response(member_id: str, lease_ttl_s: float, a: Assignment) -> pb.JoinResponse:
+    """The Join answer for one member (built in place: this runs once per worker)."""
     plan, p = a.plan, a.placement
-    return pb.Assignment(
-        job_id=a.job_id,
-        generation=a.generation,
-        rank=p.rank,
-        world_size=plan.world_size,
-        node_rank=p.node_rank,
-        num_nodes=plan.num_nodes,
-        local_rank=p.local_rank,
-        local_world_size=plan.nodes[p.node_rank].size,
-        master_addr=plan.master_addr,
-        master_port=plan.master_port,
-        dist_url=plan.dist_url,
-        groups=[
-            pb.Group(mode=m.group.mode, index=m.group.index, ranks=_rank_set(m.group), group_rank=m.group_rank)
-            for m in plan.memberships(p.member_id)
-        ],
-    )
+    response = pb.JoinResponse(member_id=member_id, lease_ttl_ms=round(lease_ttl_s * 1000))
+    m = response.assignment
+    m.job_id = a.job_id
+    m.generation = a.generation
+    m.rank = p.rank
+    m.world_size = plan.world_size
+    m.node_rank = p.node_rank
+    m.num_nodes = plan.num_nodes
+    m.local_rank = p.local_rank
+    m.local_world_size = plan.nodes[p.node_rank].size
+    m.master_addr = plan.master_addr
+    m.master_port = plan.master_port
+    m.dist_url = plan.dist_url
+    m.groups.extend([_group_proto(g) for g in plan.groups_of(p.member_id)])
+    return response
 
 
 def description_proto(v: JobView) -> pb.JobDescription:
@@ -178,41 +191,33 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         await context.abort(*failure)
         raise AssertionError("unreachable: abort raises")
 
-    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JoinEvent]:
-        def join():
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+        # Inlined rather than going through _call: this runs once per worker of every job.
+        try:
             if self.draining:
                 raise Unavailable("the server is shutting down; join another rendezvous server or retry")
             params = join_params(request)
-            return params, self._rdzv.join(params)
-
-        params, joined = await self._call(context, join)
-        log.debug("join job=%s member=%s node=%s", params.job_id, joined.member_id, params.node_key)
-        failure: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
-        try:
-            yield pb.JoinEvent(
-                joined=pb.Joined(
-                    member_id=joined.member_id,
-                    lease_ttl_ms=round(joined.lease_ttl_s * 1000),
-                    joined=joined.joined,
-                )
-            )
-            timeout = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else None
-            remaining = context.time_remaining()
-            if remaining is not None:
-                # Answer with who is missing before the caller's own deadline cuts the call.
-                cap = remaining - min(1.0, remaining * 0.1)
-                timeout = cap if timeout is None else min(timeout, cap)
-            try:
-                assignment = await self._rdzv.wait_assignment(params.job_id, joined.member_id, timeout)
-                event = pb.JoinEvent(assignment=assignment_proto(assignment))
-            except Exception as exc:
-                failure = _status_of(exc)
-            else:
-                yield event
-        finally:
-            self._rdzv.withdraw(params.job_id, joined.member_id)
+            joined = self._rdzv.join(params)
+        except Exception as exc:
+            failure = _status_of(exc)
+        else:
+            failure = None
         if failure is not None:
             await context.abort(*failure)
+        timeout = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else None
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Answer with who is missing before the caller's own deadline cuts the call.
+            cap = remaining - min(1.0, remaining * 0.1)
+            timeout = cap if timeout is None else min(timeout, cap)
+        try:
+            assignment = await self._rdzv.wait_assignment(params.job_id, joined.member_id, timeout)
+            return join_response(joined.member_id, joined.lease_ttl_s, assignment)
+        except Exception as exc:
+            failure = _status_of(exc)
+        finally:  # a no-op once assigned; before that, a caller that went away is withdrawn
+            self._rdzv.withdraw(params.job_id, joined.member_id)
+        await context.abort(*failure)
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         def renew():

@@ -1,10 +1,15 @@
 """Job membership: the rendezvous state machine, leases and waiting.
 
+Values built once per join (JoinParams, Joined, Assignment, MemberSpec) are
+NamedTuples: as immutable as frozen dataclasses and several times cheaper to
+construct, which shows at ten thousand joins a second.
+
 A job moves FORMING -> FORMED (generation g) as soon as `world_size` workers
 have joined, or FORMING -> FAILED when the joined workers cannot form a valid
 world (explicit ranks that cannot all be honoured). A worker is bound to its
-Join call until the world forms (leaving the call withdraws it) and to its
-lease afterwards. A job disappears when its last member leaves or expires.
+Join call until the world forms (ending the call withdraws it); the world's
+forming starts every member's lease, which KeepAlive renews. A job disappears
+when its last member leaves or expires.
 
 All mutation is synchronous and happens on the server's event loop, so no
 locks are needed; waiting is the only coroutine. The clock is injected.
@@ -15,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import ipaddress
 import logging
-import secrets
+import math
+import os
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from .assignment import MemberSpec, PlanError, Placement, WorldPlan, node_sort_key, plan_world
 from .errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration, WaitTimeout
@@ -34,8 +40,7 @@ class JobSpec:
     world_size: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class JoinParams:
+class JoinParams(NamedTuple):
     """A validated join request."""
 
     job_id: str
@@ -45,6 +50,7 @@ class JoinParams:
     master_port: int
     local_rank: int | None = None
     node_rank: int | None = None
+    loopback: bool = False  # whether `address` is a loopback address
 
 
 class JobState(enum.Enum):
@@ -53,16 +59,14 @@ class JobState(enum.Enum):
     FAILED = "failed"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Joined:
+class Joined(NamedTuple):
     job_id: str
     member_id: str
     lease_ttl_s: float
     joined: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Assignment:
+class Assignment(NamedTuple):
     """A member's seat in the world of one generation."""
 
     job_id: str
@@ -116,7 +120,7 @@ class _Node:
 class _Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks",
-        "plan", "reason", "forming_since", "loopback", "changed",
+        "plan", "reason", "forming_since", "loopback", "waiters", "timer", "timer_at",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -131,12 +135,47 @@ class _Job:
         self.reason = ""
         self.forming_since = now
         self.loopback = loopback
-        self.changed = asyncio.Event()
+        # Waiting workers and their deadlines. One timer per job, armed for the
+        # earliest deadline, rather than one per worker: the loop's timer heap
+        # is costly at ten thousand entries.
+        self.waiters: dict[asyncio.Future[None], float] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
+
+    async def wait(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Returns at the next notify(); raises TimeoutError at `deadline`."""
+        waiter = loop.create_future()
+        self.waiters[waiter] = deadline
+        if deadline < self.timer_at:
+            self._arm(loop, deadline)
+        try:
+            await waiter
+        finally:
+            self.waiters.pop(waiter, None)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.timer_at = (None, math.inf) if at == math.inf else (loop.call_at(at, self._expire_waiters, loop), at)
+
+    def _expire_waiters(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer, self.timer_at = None, math.inf
+        now = loop.time()
+        for waiter, deadline in list(self.waiters.items()):
+            if deadline <= now and not waiter.done():
+                waiter.set_exception(TimeoutError())
+        pending = [d for w, d in self.waiters.items() if not w.done()]
+        if pending:
+            self._arm(loop, min(pending))
 
     def notify(self) -> None:
         """Wakes every waiter; they re-check the state."""
-        event, self.changed = self.changed, asyncio.Event()
-        event.set()
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer, self.timer_at = None, math.inf
 
     def shortfall(self) -> str:
         nodes = ", ".join(f"{n.key}×{n.workers}" for n in self.nodes.values()) or "none"
@@ -147,10 +186,6 @@ class _Job:
         )
 
 
-def _is_loopback(address: str) -> bool:
-    return ipaddress.ip_address(address).is_loopback
-
-
 class Rendezvous:
     """Every job the server holds, and the rules for joining and leaving them."""
 
@@ -159,11 +194,11 @@ class Rendezvous:
         *,
         lease_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
-        new_member_id: Callable[[], str] = lambda: secrets.token_hex(8),
+        new_member_id: Callable[[], str] | None = None,
     ) -> None:
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
-        self._new_member_id = new_member_id
+        self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
         self._jobs: dict[str, _Job] = {}
 
     # -- joining -------------------------------------------------------------
@@ -178,9 +213,8 @@ class Rendezvous:
             JobFull: the job already has `world_size` workers.
         """
         job = self._jobs.get(p.job_id)
-        loopback = _is_loopback(p.address)
         if job is not None:
-            self._check_admissible(job, p, loopback)
+            self._check_admissible(job, p)
         node = job.nodes.get(p.node_key) if job is not None else None
         if node is not None:
             self._check_node(job, node, p)
@@ -192,7 +226,7 @@ class Rendezvous:
 
         now = self._clock()
         if job is None:
-            job = self._jobs[p.job_id] = _Job(p.job_id, p.spec, loopback, now)
+            job = self._jobs[p.job_id] = _Job(p.job_id, p.spec, p.loopback, now)
         if node is None:
             node = job.nodes[p.node_key] = _Node(p.node_key, p.address)
         member_id = self._new_member_id()
@@ -203,12 +237,12 @@ class Rendezvous:
             node.local_ranks[p.local_rank] = member_id
         node.workers += 1
         spec = MemberSpec(member_id, node.key, p.address, p.master_port, p.local_rank, p.node_rank)
-        job.members[member_id] = _Member(spec, now + self.lease_ttl_s)
+        job.members[member_id] = _Member(spec, math.inf)  # the lease starts when the world forms
         if len(job.members) == job.spec.world_size:
             self._form(job)
         return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members))
 
-    def _check_admissible(self, job: _Job, p: JoinParams, loopback: bool) -> None:
+    def _check_admissible(self, job: _Job, p: JoinParams) -> None:
         if job.spec != p.spec:
             raise Conflict(
                 f"job {job.job_id!r} has world_size={job.spec.world_size} but this worker "
@@ -221,7 +255,7 @@ class Rendezvous:
                 f"job {job.job_id!r} already has all {job.spec.world_size} workers "
                 f"(generation {job.generation}); node {p.node_key!r} cannot join it"
             )
-        if loopback != job.loopback:
+        if p.loopback != job.loopback:
             first = next(iter(job.nodes.values()))
             raise Conflict(
                 f"job {job.job_id!r}: node {first.key!r} advertises {first.address} but this worker "
@@ -259,6 +293,9 @@ class Rendezvous:
             job.generation += 1
             job.plan = plan
             job.reason = ""
+            deadline = self._clock() + self.lease_ttl_s
+            for member in job.members.values():
+                member.lease_deadline = deadline
             log.info(
                 "job formed job=%s generation=%d world_size=%d nodes=%d",
                 job.job_id, job.generation, plan.world_size, plan.num_nodes,
@@ -274,22 +311,23 @@ class Rendezvous:
             WaitTimeout: not formed within `timeout_s`; the message says who is missing.
         """
         job = self._job(job_id)
-        try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    if member_id not in job.members or self._jobs.get(job_id) is not job:
-                        raise NotFound(f"member {member_id} left job {job_id!r} while waiting")
-                    if job.state is JobState.FAILED:
-                        raise Conflict(f"job {job_id!r} cannot form: {job.reason}")
-                    if job.state is JobState.FORMED and job.plan is not None:
-                        placement = job.plan.placements.get(member_id)
-                        if placement is not None:
-                            return Assignment(job_id, job.generation, placement, job.plan)
-                    await job.changed.wait()
-        except TimeoutError:
-            raise WaitTimeout(
-                f"job {job_id!r} did not form within {timeout_s:g} s: {job.shortfall()}"
-            ) from None
+        loop = asyncio.get_running_loop()
+        deadline = math.inf if timeout_s is None else loop.time() + timeout_s
+        while True:
+            if member_id not in job.members or self._jobs.get(job_id) is not job:
+                raise NotFound(f"member {member_id} left job {job_id!r} while waiting")
+            if job.state is JobState.FAILED:
+                raise Conflict(f"job {job_id!r} cannot form: {job.reason}")
+            if job.state is JobState.FORMED and job.plan is not None:
+                placement = job.plan.placements.get(member_id)
+                if placement is not None:
+                    return Assignment(job_id, job.generation, placement, job.plan)
+            try:
+                await job.wait(loop, deadline)
+            except TimeoutError:
+                raise WaitTimeout(
+                    f"job {job_id!r} did not form within {timeout_s:g} s: {job.shortfall()}"
+                ) from None
 
     def withdraw(self, job_id: str, member_id: str) -> None:
         """The member's Join call ended. Before the world forms this removes it;
@@ -334,7 +372,10 @@ class Rendezvous:
         self._remove(job, member_id)
 
     def expire(self) -> list[tuple[str, str]]:
-        """Removes every member whose lease has run out; returns (job, member) pairs."""
+        """Removes every member whose lease has run out; returns (job, member) pairs.
+
+        Members of a forming job hold no lease yet: their open Join call binds them.
+        """
         now = self._clock()
         expired = [
             (job, mid)

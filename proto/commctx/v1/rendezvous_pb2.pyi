@@ -33,23 +33,15 @@ class JoinRequest(_message.Message):
     wait_timeout_ms: int
     def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
 
-class JoinEvent(_message.Message):
-    __slots__ = ("joined", "assignment")
-    JOINED_FIELD_NUMBER: _ClassVar[int]
-    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
-    joined: Joined
-    assignment: Assignment
-    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
-
-class Joined(_message.Message):
-    __slots__ = ("member_id", "lease_ttl_ms", "joined")
+class JoinResponse(_message.Message):
+    __slots__ = ("member_id", "lease_ttl_ms", "assignment")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    JOINED_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     lease_ttl_ms: int
-    joined: int
-    def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., joined: _Optional[int] = ...) -> None: ...
+    assignment: Assignment
+    def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups")
@@ -80,16 +72,14 @@ class Assignment(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("mode", "index", "ranks", "group_rank")
+    __slots__ = ("mode", "index", "ranks")
     MODE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
-    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     mode: str
     index: int
     ranks: RankSet
-    group_rank: int
-    def __init__(self, mode: _Optional[str] = ..., index: _Optional[int] = ..., ranks: _Optional[_Union[RankSet, _Mapping]] = ..., group_rank: _Optional[int] = ...) -> None: ...
+    def __init__(self, mode: _Optional[str] = ..., index: _Optional[int] = ..., ranks: _Optional[_Union[RankSet, _Mapping]] = ...) -> None: ...
 
 class RankSet(_message.Message):
     __slots__ = ("runs",)

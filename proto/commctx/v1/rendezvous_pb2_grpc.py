@@ -34,10 +34,10 @@ class RendezvousStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Join = channel.unary_stream(
+        self.Join = channel.unary_unary(
                 '/commctx.v1.Rendezvous/Join',
                 request_serializer=commctx_dot_v1_dot_rendezvous__pb2.JoinRequest.SerializeToString,
-                response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.JoinEvent.FromString,
+                response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.JoinResponse.FromString,
                 _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/commctx.v1.Rendezvous/KeepAlive',
@@ -60,9 +60,10 @@ class RendezvousServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """Registers a worker in a job and waits for the world to form. Streams a
-        Joined event at once, then the worker's Assignment, then completes.
-        Leaving the call before the Assignment arrives withdraws the worker.
+        """Registers a worker in a job, waits for the world to form and returns the
+        worker's assignment. Ending the call before it returns withdraws the
+        worker. Not formed within the wait timeout: DEADLINE_EXCEEDED, naming how
+        many joined, which nodes are present and how many are missing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,10 +94,10 @@ class RendezvousServicer:
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Join': grpc.unary_stream_rpc_method_handler(
+            'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
                     request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.JoinRequest.FromString,
-                    response_serializer=commctx_dot_v1_dot_rendezvous__pb2.JoinEvent.SerializeToString,
+                    response_serializer=commctx_dot_v1_dot_rendezvous__pb2.JoinResponse.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
@@ -135,12 +136,12 @@ class Rendezvous:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/commctx.v1.Rendezvous/Join',
             commctx_dot_v1_dot_rendezvous__pb2.JoinRequest.SerializeToString,
-            commctx_dot_v1_dot_rendezvous__pb2.JoinEvent.FromString,
+            commctx_dot_v1_dot_rendezvous__pb2.JoinResponse.FromString,
             options,
             channel_credentials,
             insecure,
