@@ -53,13 +53,14 @@ class Session:
         # The server answers DEADLINE_EXCEEDED (with who is missing) at timeout_s;
         # the call's own deadline only guards against a server that went silent.
         # wait_for_ready: a worker may start before the server does.
+        slack_s = min(5.0, 0.5 + timeout_s * 0.05)
         try:
-            response = self._stub.Join(request, timeout=timeout_s + 10.0, wait_for_ready=True)
+            response = self._stub.Join(request, timeout=timeout_s + slack_s, wait_for_ready=True)
         except grpc.RpcError as exc:
             err = error_from_rpc(exc)
             if isinstance(err, RendezvousTimeout) and "did not form" not in err.details:
                 raise ServerUnavailable(
-                    err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s + 10:g} s"
+                    err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s + slack_s:g} s"
                 ) from exc
             raise err from exc
         self.member_id = response.member_id

@@ -408,7 +408,7 @@ class Rendezvous:
         """Raises NotFound for an unknown job."""
         job = self._job(job_id)
         if job.state is JobState.FORMED and job.plan is not None:
-            present = {n.node_key for n in job.nodes.values()}
+            present = set(job.nodes)
             nodes = tuple(
                 NodeView(n.node_key, n.address, job.nodes[n.node_key].workers, n.node_rank)
                 for n in job.plan.nodes

@@ -1,0 +1,176 @@
+"""Real processes for end-to-end tests: the server, workers, and network
+namespaces standing in for hosts. Everything started here is stopped here."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+
+WORKER = str(pathlib.Path(__file__).with_name("worker.py"))
+# Variables a launcher or an earlier test could have left; workers start clean.
+_SCRUB = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Proc:
+    """A child process whose stdout lines are read by a thread into a queue."""
+
+    def __init__(self, argv: Sequence[str], name: str) -> None:
+        self.name = name
+        self.stderr = tempfile.NamedTemporaryFile(prefix=f"commctx-{name}-", suffix=".log", delete=False)
+        self.popen = subprocess.Popen(
+            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+            text=True, env=clean_env(), start_new_session=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def line(self, timeout: float) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{self.name}: no output within {timeout} s\n{self.log()}") from None
+        if line is None:
+            raise AssertionError(f"{self.name} exited ({self.popen.wait()}) early\n{self.log()}")
+        return line
+
+    def event(self, timeout: float = 60.0) -> dict:
+        return json.loads(self.line(timeout))
+
+    def send(self, command: str) -> None:
+        self.popen.stdin.write(command + "\n")
+        self.popen.stdin.flush()
+
+    def log(self) -> str:
+        return pathlib.Path(self.stderr.name).read_text()[-4000:]
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self) -> None:
+        """Ends the process (and anything it started in its session)."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        with contextlib.suppress(OSError):
+            self.popen.stdin.close()
+        self.stderr.close()
+        os.unlink(self.stderr.name)
+
+
+class Server(Proc):
+    def __init__(self, host: str, *args: str) -> None:
+        super().__init__([sys.executable, "-m", "commctx.server", "--host", host, "--port", "0", *args], "server")
+        first = self.line(30)
+        if "listening on" not in first:
+            raise AssertionError(f"server did not start: {first!r}\n{self.log()}")
+        self.port = int(first.rsplit(":", 1)[1])
+        self.address = f"{host}:{self.port}"
+
+
+def worker(server: str, job: str, world_size: int, *, node_key: str | None = None, netns: str | None = None,
+           hostname: str | None = None, name: str = "worker") -> Proc:
+    argv = [sys.executable, WORKER, "--server", server, "--job", job, "--world-size", str(world_size)]
+    if node_key:
+        argv += ["--node-key", node_key]
+    if hostname:  # a host of its own: private UTS namespace with its own hostname
+        argv = ["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', hostname, *argv]
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    return Proc(argv, name)
+
+
+@contextlib.contextmanager
+def running(procs: Sequence[Proc]) -> Iterator[Sequence[Proc]]:
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def netns_available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root for ip netns"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    probe = f"ccprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return "ip netns add failed (no CAP_SYS_ADMIN?)"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class Hosts:
+    """A bridge in this namespace and one network namespace per host on it.
+
+    The bridge gets .1 (the server listens there); host k gets .(10 + k).
+    """
+
+    def __init__(self, count: int) -> None:
+        tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
+        self.bridge = f"ccbr{tag}"
+        self.names = [f"cc{tag}h{k}" for k in range(count)]
+        used = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+        octet = next(o for o in random.sample(range(1, 255), 254) if f"10.213.{o}." not in used)
+        self.prefix = f"10.213.{octet}"
+        self.server_ip = f"{self.prefix}.1"
+        self.ips = [f"{self.prefix}.{10 + k}" for k in range(count)]
+        self._created: list[list[str]] = []
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _ip(self, *args: str, undo: Sequence[str] | None = None) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+        if undo:
+            self._created.append(list(undo))
+
+    def _setup(self) -> None:
+        self._ip("link", "add", self.bridge, "type", "bridge", undo=["link", "del", self.bridge])
+        self._ip("addr", "add", f"{self.server_ip}/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for k, (ns, ip) in enumerate(zip(self.names, self.ips)):
+            veth = f"{self.bridge}v{k}"
+            self._ip("netns", "add", ns, undo=["netns", "del", ns])
+            self._ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._ip("link", "set", veth, "master", self.bridge, "up")
+            self._ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            self._ip("-n", ns, "link", "set", "eth0", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+
+    def close(self) -> None:
+        for undo in reversed(self._created):
+            subprocess.run(["ip", *undo], capture_output=True)
+        self._created.clear()

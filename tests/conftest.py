@@ -1,0 +1,53 @@
+"""Shared fixtures: a real rendezvous server on 127.0.0.1 port 0, and helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+
+from commctx.server import start_server
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+
+@pytest.fixture
+async def server():
+    s = await start_server("127.0.0.1", 0, lease_ttl_s=5.0)
+    yield s
+    await s.stop(0)
+
+
+@pytest.fixture
+async def channel(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+
+
+@pytest.fixture
+def stub(channel):
+    return pb_grpc.RendezvousStub(channel)
+
+
+def join_request(job_id: str, world_size: int, node_key: str = "node0", i: int = 0, **kw) -> pb.JoinRequest:
+    kw.setdefault("address", "127.0.0.1")
+    kw.setdefault("master_port", 20000 + i)
+    kw.setdefault("wait_timeout_ms", 20_000)
+    return pb.JoinRequest(job_id=job_id, spec=pb.JobSpec(world_size=world_size), node_key=node_key, **kw)
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 10.0, what: str = "") -> None:
+    """Waits until `check()` is true; fails after `timeout_s`. Instead of sleeps."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout_s} s: {what or check}")
+        await asyncio.sleep(0.01)

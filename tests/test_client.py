@@ -1,0 +1,213 @@
+"""The client library in this process: errors, modes, environment, and the
+seed API around a one-worker job (real server process, real gloo group)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import grpc
+import pytest
+import torch
+import torch.distributed as dist
+
+from commctx import (
+    CommContext,
+    CommContextError,
+    CommMode,
+    GroupNotFound,
+    InvalidRequest,
+    JobConflict,
+    JobFull,
+    LauncherEnv,
+    MemberNotFound,
+    ParallelMode,
+    RankTaken,
+    RendezvousTimeout,
+    ServerUnavailable,
+    StaleGeneration,
+)
+from commctx.context import resolve_backend
+from commctx.transport import error_from_rpc, split_address
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .cluster import Server
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("127.0.0.1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh_context():
+    yield
+    CommContext().destroy()
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details, metadata=()):
+        self._code, self._details, self._metadata = code, details, metadata
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._metadata
+
+
+@pytest.mark.parametrize(
+    "code, metadata, cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, (), InvalidRequest),
+        (grpc.StatusCode.FAILED_PRECONDITION, (), JobConflict),
+        (grpc.StatusCode.FAILED_PRECONDITION, (("commctx-error", "StaleGeneration"),), StaleGeneration),
+        (grpc.StatusCode.ALREADY_EXISTS, (), RankTaken),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, (), JobFull),
+        (grpc.StatusCode.NOT_FOUND, (), MemberNotFound),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, (), RendezvousTimeout),
+        (grpc.StatusCode.UNAVAILABLE, (), ServerUnavailable),
+    ],
+)
+def test_every_status_becomes_a_typed_error(code, metadata, cls):
+    err = error_from_rpc(FakeRpcError(code, "the details", metadata))
+    assert type(err) is cls
+    assert (err.code, err.details) == (code.name, "the details")
+
+
+@pytest.mark.parametrize(
+    "addr, expected",
+    [("host:123", ("host", 123)), ("host", ("host", 50051)), ("[::1]:9", ("::1", 9)), ("dns:///a.b:7", ("a.b", 7)), ("::1", ("::1", 50051))],
+)
+def test_split_address(addr, expected):
+    assert split_address(addr) == expected
+
+
+@pytest.mark.parametrize("addr", ["", "host:x", "host:0", ":80"])
+def test_split_address_rejects(addr):
+    with pytest.raises(ValueError):
+        split_address(addr)
+
+
+def test_modes_are_interchangeable_with_the_seed_strings():
+    assert CommMode.GLOBAL == ParallelMode.GLOBAL == "GLOBAL"
+    assert {CommMode.INTRA_NODE: 1}["INTRA_NODE"] == 1
+    assert ParallelMode("TENSOR_PARALLEL") is ParallelMode.TENSOR_PARALLEL
+    assert str(CommMode.INTER_NODE) == "INTER_NODE"
+
+
+def test_launcher_env_is_read_in_one_place():
+    env = LauncherEnv.from_env({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "GLOO_SOCKET_IFNAME": "ib0"})
+    assert (env.local_rank, env.local_world_size, env.gloo_socket_ifname, env.nccl_socket_ifname) == (3, 8, "ib0", None)
+    assert LauncherEnv.from_env({}) == LauncherEnv()
+    with pytest.raises(CommContextError, match="LOCAL_RANK='x' is not a non-negative integer"):
+        LauncherEnv.from_env({"LOCAL_RANK": "x"})
+
+
+def test_uninitialised_context_says_so(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    ctx = CommContext()
+    assert CommContext() is ctx and not ctx.is_initialized()
+    for call in (ctx.get_global_rank, ctx.is_main_rank, lambda: ctx.get_group(CommMode.GLOBAL), lambda: ctx.init_group([0], "X")):
+        with pytest.raises(CommContextError, match="not initialised"):
+            call()
+    with pytest.raises(CommContextError, match="local rank unknown"):
+        ctx.get_in_node_rank()
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert (ctx.get_in_node_rank(), ctx.get_local_world_size()) == (2, 4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_backend_auto_is_gloo_without_cuda_and_nccl_is_refused():
+    assert resolve_backend("auto") == "gloo"
+    with pytest.raises(CommContextError, match="backend 'nccl' needs a CUDA device"):
+        resolve_backend("nccl")
+
+
+def test_init_distributed_env_alone_like_the_seed():
+    with socket.socket() as s:  # only to learn a free port for tcp:// init; torch binds it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = CommContext()
+    ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"tcp://127.0.0.1:{port}", timeout=30)
+    assert ctx.is_initialized() and ctx.is_main_rank()
+    assert ctx.get_group(CommMode.GLOBAL) is dist.group.WORLD
+    assert (ctx.get_world_size("GLOBAL"), ctx.get_ranks_in_group(CommMode.GLOBAL)) == (1, [0])
+    ctx.init_group([0], mode=ParallelMode.TRAIN_DATA_PARALLEL, backend="gloo")
+    x = torch.ones(2)
+    dist.all_reduce(x, group=ctx.get_group("TRAIN_DATA_PARALLEL"))
+    assert x.tolist() == [1.0, 1.0]
+    assert ctx.get_local_rank(ParallelMode.TRAIN_DATA_PARALLEL) == 0
+    with pytest.raises(ValueError, match="must lie in 0..0"):
+        ctx.init_group([0, 1], mode="X", backend="gloo")
+    with pytest.raises(ValueError, match="mode must be"):
+        ctx.init_group([0], mode=None, backend="gloo")
+    with pytest.raises(GroupNotFound, match="rank 0 has no TENSOR_PARALLEL group"):
+        ctx.get_group(ParallelMode.TENSOR_PARALLEL)
+    with pytest.raises(CommContextError, match="already initialised"):
+        ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url="tcp://127.0.0.1:1")
+    ctx.destroy()
+    assert not dist.is_initialized()
+    assert CommContext() is not ctx
+
+
+def test_join_a_one_worker_job(server, monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "1")  # exported values are restored by destroy()
+    ctx = CommContext.join(server.address, job_id="solo", world_size=1, timeout=30)
+    a = ctx.assignment
+    assert (a.rank, a.world_size, a.local_rank, a.node_rank, a.generation) == (0, 1, 0, 0, 1)
+    assert ctx.get_ranks_in_group(CommMode.INTRA_NODE) == [0]
+    assert ctx.get_group(CommMode.INTRA_NODE) is dist.group.WORLD  # a group of the whole world is WORLD
+    assert os.environ["MASTER_PORT"] == str(a.master_port) and a.dist_url.endswith(f":{a.master_port}")
+    with pytest.raises(CommContextError, match="already initialised"):
+        CommContext.join(server.address, job_id="solo2", world_size=1)
+    ctx.destroy()
+    assert os.environ["MASTER_PORT"] == "1"
+    assert not dist.is_initialized()
+
+
+def test_join_errors_are_typed(server):
+    with pytest.raises(InvalidRequest, match="job_id 'bad id' is malformed"):
+        CommContext.join(server.address, job_id="bad id", world_size=1)
+    with pytest.raises(RendezvousTimeout, match=r"1 of 2 workers joined .*1 missing"):
+        CommContext.join(server.address, job_id="lonely", world_size=2, timeout=0.5)
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        CommContext.join(server.address, job_id="x", world_size=0)
+
+    # A first worker waits in job "mismatch" with world_size 2 ...
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.RendezvousStub(ch)
+        waiting = stub.Join.future(
+            pb.JoinRequest(job_id="mismatch", spec=pb.JobSpec(world_size=2), node_key="n", address="127.0.0.1", master_port=9, wait_timeout_ms=10_000)
+        )
+        deadline = time.monotonic() + 10
+        while not _joined(stub, "mismatch"):
+            assert time.monotonic() < deadline, "first worker never registered"
+            time.sleep(0.01)
+        # ... so one asking for 3 is refused, naming both values.
+        with pytest.raises(JobConflict, match="has world_size=2 but this worker asked for world_size=3"):
+            CommContext.join(server.address, job_id="mismatch", world_size=3, timeout=5)
+        waiting.cancel()
+
+
+def _joined(stub, job_id: str) -> bool:
+    try:
+        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id), timeout=5).joined == 1
+    except grpc.RpcError:
+        return False
+
+
+def test_unreachable_server_is_a_typed_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    with pytest.raises(ServerUnavailable, match="no answer from rendezvous server"):
+        CommContext.join(f"127.0.0.1:{port}", job_id="x", world_size=1, timeout=0.2)

@@ -1,0 +1,282 @@
+"""The rendezvous protocol against a real in-process grpc.aio server on port 0."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from commctx.v1 import rendezvous_pb2 as pb
+
+from .conftest import eventually, join_request
+
+Code = grpc.StatusCode
+
+
+def ranks_of(group: pb.Group) -> list[int]:
+    return [r for run in group.ranks.runs for r in range(run.start, run.start + run.count * (run.stride or 1), run.stride or 1)]
+
+
+async def expect_error(call, code: grpc.StatusCode, *fragments: str) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    err = info.value
+    assert err.code() == code, err.details()
+    for fragment in fragments:
+        assert fragment in err.details(), err.details()
+    return err
+
+
+async def test_many_concurrent_workers_in_several_jobs(stub):
+    # 72 workers in three jobs, joining interleaved from one event loop.
+    jobs = {"ppo-7": (32, 4), "sft-1": (24, 3), "eval": (16, 16)}  # job: (world size, workers per node)
+    requests = []
+    for job_id, (world, per_node) in jobs.items():
+        for i in range(world):
+            node = f"host{(world - 1 - i) // per_node}"  # reverse join order vs node order
+            requests.append((job_id, node, join_request(job_id, world, node, i, address=f"10.1.{i // per_node}.{i % per_node + 1}")))
+    responses = await asyncio.gather(*(stub.Join(r) for _, _, r in requests))
+    by_job = defaultdict(list)
+    for (job_id, node, request), r in zip(requests, responses):
+        by_job[job_id].append((node, r))
+        if r.assignment.rank == 0:  # rank 0's own address and held port are the master endpoint
+            assert (r.assignment.master_addr, r.assignment.master_port) == (request.address, request.master_port)
+
+    for job_id, (world, per_node) in jobs.items():
+        got = by_job[job_id]
+        a0 = [r.assignment for _, r in got if r.assignment.rank == 0][0]
+        assert sorted(r.assignment.rank for _, r in got) == list(range(world))
+        assert len({r.member_id for _, r in got}) == world
+        nodes = {node for node, _ in got}
+        for node, r in got:
+            a = r.assignment
+            assert (a.job_id, a.generation, a.world_size) == (job_id, 1, world)
+            assert (a.num_nodes, a.local_world_size) == (len(nodes), per_node)
+            # numeric-aware node order: host0 is node rank 0
+            assert a.node_rank == int(node.removeprefix("host"))
+            assert a.rank == a.node_rank * per_node + a.local_rank
+            assert (a.master_addr, a.master_port, a.dist_url) == (a0.master_addr, a0.master_port, f"tcp://{a0.master_addr}:{a0.master_port}")
+            modes = [g.mode for g in a.groups]
+            assert modes == ["GLOBAL", "INTRA_NODE", "INTER_NODE"]
+            glob, intra, inter = (ranks_of(g) for g in a.groups)
+            assert glob == list(range(world))
+            assert intra == list(range(a.node_rank * per_node, (a.node_rank + 1) * per_node))
+            assert inter == [n * per_node + a.local_rank for n in range(len(nodes))]
+            assert r.lease_ttl_ms == 5000
+
+
+async def test_messages_do_not_grow_with_world_size(stub):
+    # A worker's assignment in a 4,096-worker world is as small as in a 16-worker one.
+    sizes = {}
+    for world in (16, 4096):
+        responses = await asyncio.gather(
+            *(stub.Join(join_request(f"size-{world}", world, f"node{i // 8}", i)) for i in range(world))
+        )
+        sizes[world] = max(r.ByteSize() for r in responses)
+    assert sizes[4096] <= sizes[16] + 16, sizes
+
+
+async def test_heterogeneous_nodes_over_the_wire(stub):
+    layout = ["b", "a", "a", "a"]  # node a has 3 workers, node b one
+    responses = await asyncio.gather(*(stub.Join(join_request("het", 4, n, i)) for i, n in enumerate(layout)))
+    got = {(n, r.assignment.local_rank): r.assignment for n, r in zip(layout, responses)}
+    assert got[("b", 0)].rank == 3 and got[("b", 0)].local_world_size == 1
+    assert ranks_of(got[("b", 0)].groups[2]) == [0, 3]
+    assert ranks_of(got[("a", 2)].groups[2]) == [2]
+    assert ranks_of(got[("a", 1)].groups[1]) == [0, 1, 2]
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("job_id", "", "job_id is empty"),
+        ("job_id", "x" * 200, "200 characters; at most 128"),
+        ("job_id", "bad id!", "job_id 'bad id!' is malformed"),
+        ("node_key", "", "node_key is empty"),
+        ("node_key", "n" * 300, "300 characters; at most 253"),
+        ("node_key", "-node", "node_key '-node' is malformed"),
+        ("address", "not-an-ip", "address 'not-an-ip' is not an IP address"),
+        ("address", "0.0.0.0", "address 0.0.0.0 is unspecified"),
+        ("master_port", 0, "master_port 0 is out of range"),
+        ("world_size", 0, "spec.world_size 0 is out of range"),
+        ("local_rank", 9, "local_rank 9 is not below world_size 2"),
+        ("node_rank", 2, "node_rank 2 is not below world_size 2"),
+    ],
+)
+async def test_invalid_join_fields(stub, field, value, fragment):
+    request = join_request("job", 2)
+    if field == "world_size":
+        request.spec.world_size = value
+    else:
+        setattr(request, field, value)
+    await expect_error(stub.Join(request), Code.INVALID_ARGUMENT, fragment)
+
+
+async def test_invalid_ids_in_other_calls(stub):
+    await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="", member_id="ab")), Code.INVALID_ARGUMENT, "job_id is empty")
+    await expect_error(stub.Leave(pb.LeaveRequest(job_id="j", member_id="zz!")), Code.INVALID_ARGUMENT, "member_id 'zz!' is malformed")
+    await expect_error(stub.DescribeJob(pb.DescribeJobRequest(job_id="a b")), Code.INVALID_ARGUMENT, "job_id 'a b'")
+
+
+async def test_conflicts_leave_healthy_members_untouched(stub):
+    first = asyncio.ensure_future(stub.Join(join_request("train", 3, "a", 0, local_rank=0)))
+    await eventually(lambda: _joined(stub, "train", 1), what="first worker joined")
+
+    await expect_error(
+        stub.Join(join_request("train", 4, "a", 1)),
+        Code.FAILED_PRECONDITION, "job 'train' has world_size=3", "asked for world_size=4",
+    )
+    await expect_error(stub.Join(join_request("train", 3, "a", 2, local_rank=0)), Code.ALREADY_EXISTS, "local_rank 0 on node 'a'")
+    await expect_error(
+        stub.Join(join_request("train", 3, "b", 3, address="10.0.0.9")),
+        Code.FAILED_PRECONDITION, "advertises 127.0.0.1", "advertises 10.0.0.9", "loopback",
+    )
+    # The first worker is still there and the job still forms.
+    description = await stub.DescribeJob(pb.DescribeJobRequest(job_id="train"))
+    assert (description.joined, description.missing) == (1, 2)
+    rest = await asyncio.gather(stub.Join(join_request("train", 3, "a", 4)), stub.Join(join_request("train", 3, "b", 5)))
+    a = (await first).assignment
+    assert (a.rank, a.local_rank, a.generation) == (0, 0, 1)
+    assert sorted(r.assignment.rank for r in rest) == [1, 2]
+
+    await expect_error(stub.Join(join_request("train", 3, "c", 6)), Code.RESOURCE_EXHAUSTED, "already has all 3 workers")
+
+
+async def test_node_rank_conflicts(stub):
+    first = asyncio.ensure_future(stub.Join(join_request("nr", 3, "a", 0, node_rank=1)))
+    await eventually(lambda: _joined(stub, "nr", 1))
+    await expect_error(stub.Join(join_request("nr", 3, "a", 1, node_rank=0)), Code.FAILED_PRECONDITION, "node 'a' of job 'nr' has node_rank 1")
+    await expect_error(stub.Join(join_request("nr", 3, "b", 2, node_rank=1)), Code.ALREADY_EXISTS, "node_rank 1 is already held by node 'a'")
+    rest = await asyncio.gather(stub.Join(join_request("nr", 3, "b", 3, node_rank=0)), stub.Join(join_request("nr", 3, "a", 4)))
+    assert (await first).assignment.node_rank == 1
+    assert [r.assignment.node_rank for r in rest] == [0, 1]
+
+
+async def test_a_world_that_cannot_form_fails_every_waiter_with_the_reason(stub):
+    waiting = [asyncio.ensure_future(stub.Join(join_request("bad", 3, "a", 0, local_rank=2)))]
+    await eventually(lambda: _joined(stub, "bad", 1))
+    waiting.append(asyncio.ensure_future(stub.Join(join_request("bad", 3, "a", 1))))
+    waiting.append(asyncio.ensure_future(stub.Join(join_request("bad", 3, "b", 2))))
+    for call in waiting:
+        await expect_error(call, Code.FAILED_PRECONDITION, "node 'a' has 2 workers but one asked for local_rank 2")
+    # Everyone left: the job is gone, the id can be used again.
+    await eventually(lambda: _gone(stub, "bad"))
+
+
+async def test_wait_timeout_says_who_is_missing(stub):
+    other = asyncio.ensure_future(stub.Join(join_request("slow", 3, "node-a", 0, wait_timeout_ms=30_000)))
+    await eventually(lambda: _joined(stub, "slow", 1))
+    await expect_error(
+        stub.Join(join_request("slow", 3, "node-b", 1, wait_timeout_ms=300)),
+        Code.DEADLINE_EXCEEDED,
+        "job 'slow' did not form within 0.3 s", "2 of 3 workers joined", "node-a×1", "node-b×1", "1 missing",
+    )
+    # The timed-out worker was withdrawn; the other still waits.
+    description = await stub.DescribeJob(pb.DescribeJobRequest(job_id="slow"))
+    assert description.joined == 1 and [n.node_key for n in description.nodes] == ["node-a"]
+    other.cancel()
+
+
+async def test_the_callers_own_deadline_also_gets_the_details(stub):
+    await expect_error(
+        stub.Join(join_request("short", 2, "n", 0, wait_timeout_ms=0), timeout=2.0),
+        Code.DEADLINE_EXCEEDED, "1 of 2 workers joined",
+    )
+
+
+async def test_cancelled_waiter_is_withdrawn_and_nothing_leaks(stub, server):
+    calls = [stub.Join(join_request("gone", 4, "n", i)) for i in range(3)]
+    pending = [asyncio.ensure_future(c) for c in calls]
+    await eventually(lambda: _joined(stub, "gone", 3))
+    for c in calls:
+        c.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await eventually(lambda: _gone(stub, "gone"), what="job removed once every waiter left")
+    assert "gone" not in server.rendezvous.job_ids()
+
+
+async def test_keepalive_leave_and_unknown_members(stub):
+    responses = await asyncio.gather(*(stub.Join(join_request("ka", 2, "n", i)) for i in range(2)))
+    m0, m1 = (r.member_id for r in responses)
+    ok = await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, generation=1))
+    assert (ok.lease_ttl_ms, ok.generation) == (5000, 1)
+
+    err = await expect_error(
+        stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, generation=7)),
+        Code.FAILED_PRECONDITION, "holds generation 7 but the current generation is 1",
+    )
+    assert ("commctx-error", "StaleGeneration") in tuple(err.trailing_metadata())
+    await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id="abcdef", generation=1)), Code.NOT_FOUND, "member 'abcdef' is not in job 'ka'")
+    await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="nope", member_id=m0)), Code.NOT_FOUND, "no job 'nope'")
+
+    await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0))
+    await expect_error(stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0)), Code.NOT_FOUND, m0)
+    # the other member is untouched
+    assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, generation=1))).generation == 1
+    await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m1))
+    await expect_error(stub.DescribeJob(pb.DescribeJobRequest(job_id="ka")), Code.NOT_FOUND, "no job 'ka'")
+
+
+async def test_describe_a_forming_and_a_formed_job(stub):
+    first = [asyncio.ensure_future(stub.Join(join_request("d", 4, n, i))) for i, n in enumerate(["node10", "node9"])]
+    await eventually(lambda: _joined(stub, "d", 2))
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="d"))
+    assert d.state == pb.JobDescription.FORMING
+    assert (d.generation, d.spec.world_size, d.joined, d.missing) == (0, 4, 2, 2)
+    assert [(n.node_key, n.workers) for n in d.nodes] == [("node9", 1), ("node10", 1)]
+    assert "2 of 4 workers joined" in d.reason and d.forming_for_s >= 0
+    await asyncio.gather(*first, stub.Join(join_request("d", 4, "node9", 2)), stub.Join(join_request("d", 4, "node10", 3)))
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="d"))
+    assert (d.state, d.generation, d.joined, d.missing, d.reason) == (pb.JobDescription.FORMED, 1, 4, 0, "")
+    assert [(n.node_key, n.node_rank, n.workers) for n in d.nodes] == [("node9", 0, 2), ("node10", 1, 2)]
+
+
+async def test_draining_server_refuses_joins(stub, server):
+    server._servicer.draining = True
+    await expect_error(stub.Join(join_request("late", 1)), Code.UNAVAILABLE, "shutting down")
+
+
+async def test_server_survives_bad_input_and_keeps_serving(stub):
+    held = await asyncio.gather(*(stub.Join(join_request("keep", 2, "n", i)) for i in range(2)))
+    bad = [join_request("", 2), join_request("keep", 3), join_request("keep", 2), join_request("x" * 999, 1)]
+    results = await asyncio.gather(*(stub.Join(r) for r in bad), return_exceptions=True)
+    assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() != Code.UNKNOWN for r in results)
+    for r in held:
+        assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="keep", member_id=r.member_id, generation=1))).generation == 1
+    ok = await stub.Join(join_request("after", 1))
+    assert ok.assignment.world_size == 1 and ok.assignment.rank == 0
+
+
+async def test_health_and_reflection(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "commctx.v1.Rendezvous"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    async for reply in replies:
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"commctx.v1.Rendezvous", "grpc.health.v1.Health"} <= names
+        break
+
+
+async def _joined(stub, job_id: str, n: int) -> bool:
+    try:
+        return (await stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id))).joined == n
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def _gone(stub, job_id: str) -> bool:
+    try:
+        await stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id))
+    except grpc.aio.AioRpcError as err:
+        return err.code() == Code.NOT_FOUND
+    return False

@@ -1,0 +1,84 @@
+"""A real worker process for the end-to-end tests.
+
+Joins a job through CommContext.join, runs all_reduce on every group and prints
+one JSON line per command read from stdin:
+  (start)   -> {"event": "joined", ...ranks, groups, sums, exported env...}
+  reduce    -> {"event": "reduced", "sums": {...}}
+  destroy   -> {"event": "destroyed", "seconds": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from commctx import CommContext, CommMode, ParallelMode
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def reduce_all(ctx: CommContext) -> dict[str, float]:
+    sums = {}
+    for mode in CommMode:
+        x = torch.tensor([float(ctx.get_global_rank() + 1)])
+        dist.all_reduce(x, group=ctx.get_group(mode))
+        sums[mode.value] = x.item()
+    return sums
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--server", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--node-key")
+    p.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args()
+
+    start = time.perf_counter()
+    ctx = CommContext.join(args.server, job_id=args.job, world_size=args.world_size, node_key=args.node_key, timeout=args.timeout)
+    joined_s = time.perf_counter() - start
+    a = ctx.assignment
+    emit(
+        event="joined",
+        seconds=joined_s,
+        rank=ctx.get_global_rank(),
+        is_main=ctx.is_main_rank(),
+        in_node_rank=ctx.get_in_node_rank(),
+        local_world_size=ctx.get_local_world_size(),
+        node_rank=a.node_rank,
+        num_nodes=a.num_nodes,
+        generation=a.generation,
+        dist_url=a.dist_url,
+        world_size=ctx.get_world_size(CommMode.GLOBAL),
+        same_singleton=CommContext() is ctx,
+        groups={m.value: ctx.get_ranks_in_group(m) for m in CommMode},
+        group_ranks={m.value: ctx.get_local_rank(ParallelMode(m.value)) for m in CommMode},
+        group_sizes={m.value: ctx.get_world_size(m.value) for m in CommMode},
+        intra_is_group=ctx.get_intra_node_process_group() is ctx.get_group("INTRA_NODE"),
+        inter_is_group=ctx.get_inter_node_process_group() is ctx.get_group(CommMode.INTER_NODE),
+        sums=reduce_all(ctx),
+        env={k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")},
+        backend=dist.get_backend(),
+    )
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "reduce":
+            emit(event="reduced", sums=reduce_all(ctx))
+        elif command == "destroy":
+            t = time.perf_counter()
+            ctx.destroy()
+            emit(event="destroyed", seconds=time.perf_counter() - t, fresh=CommContext() is not ctx, initialized=CommContext().is_initialized())
+            return
+
+
+if __name__ == "__main__":
+    main()
