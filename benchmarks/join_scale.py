@@ -1,16 +1,29 @@
-"""N simulated workers join one job; how long until the last has its assignment,
-and how much memory the server holds per member.
+"""N simulated workers join one job: time from the first join to the last
+assignment delivered, and the server's memory per member.
 
 The server runs as its own process (`python -m commctx.server`, as deployed);
-the workers are grpc.aio clients in this process, 8 per node key.
+the workers are grpc.aio clients in this process, 8 per node key. By default
+the server is pinned to CPU 0 and this load generator to CPU 1, as a
+rendezvous server would run beside, not under, its clients; --no-pin shares
+both CPUs.
 
-    python benchmarks/join_scale.py [N ...]     (default: 100 1000 10000)
+For each N, three jobs of N workers join one after another on a fresh server
+(all members stay); the time is the median of the three. Memory, as RSS
+growth per member: "peak" while the first job's N calls are in flight (gRPC
+call buffers); "after" once the server has settled after that first job (what
+the allocator keeps: freed pages pinned by surviving objects); "warm" across
+the second job (what each further member costs once the pages are there).
+
+    python benchmarks/join_scale.py [--no-pin] [N ...]    (default N: 100 1000 10000)
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import gc
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -21,7 +34,6 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 WORKERS_PER_NODE = 8
-CHANNELS = 8
 
 
 def rss_kib(pid: int) -> dict[str, int]:
@@ -34,11 +46,12 @@ def rss_kib(pid: int) -> dict[str, int]:
     return fields
 
 
-def start_server() -> tuple[subprocess.Popen, int]:
+def start_server(cpu: int | None) -> tuple[subprocess.Popen, int]:
+    # A long lease: the clients here do not renew, and every member must stay.
+    argv = [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", "--lease-ttl-s", "600"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING"],
-        stderr=None,
-        stdout=subprocess.PIPE, text=True,
+        argv, stdout=subprocess.PIPE, text=True,
+        preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})),
     )
     line = proc.stdout.readline()
     if "listening on" not in line:
@@ -47,46 +60,56 @@ def start_server() -> tuple[subprocess.Popen, int]:
     return proc, int(line.rsplit(":", 1)[1])
 
 
-async def run_job(stubs: list, job_id: str, n: int) -> tuple[float, list[str]]:
-    start = time.perf_counter()
-
-    async def worker(i: int) -> str:
-        stub = stubs[i % len(stubs)]
-        request = pb.JoinRequest(
+async def run_job(stub: pb_grpc.RendezvousStub, job_id: str, n: int) -> float:
+    requests = [
+        pb.JoinRequest(
             job_id=job_id, spec=pb.JobSpec(world_size=n), node_key=f"node{i // WORKERS_PER_NODE}",
             address="127.0.0.1", master_port=20000 + i % 40000, wait_timeout_ms=120_000,
         )
-        response = await stub.Join(request)
-        if response.assignment.world_size != n:
-            raise RuntimeError(f"bad assignment {response.assignment}")
-        return response.member_id
+        for i in range(n)
+    ]
+    start = time.perf_counter()
+    responses = await asyncio.gather(*(stub.Join(r) for r in requests))
+    seconds = time.perf_counter() - start
+    if sorted(r.assignment.rank for r in responses) != list(range(n)):
+        raise RuntimeError("ranks are not a permutation")
+    return seconds
 
-    members = await asyncio.gather(*(worker(i) for i in range(n)))
-    return time.perf_counter() - start, members
+
+async def settled_rss(pid: int) -> int:
+    """RSS once it stops moving: the server finishes each RPC shortly after the client has its answer."""
+    last, still = rss_kib(pid)["VmRSS"], 0
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        now = rss_kib(pid)["VmRSS"]
+        still = still + 1 if abs(now - last) < 64 else 0
+        last = now
+        if still >= 5:
+            break
+    return last
 
 
-async def measure(n: int) -> dict[str, float]:
-    proc, port = start_server()
+async def measure(n: int, pin: bool) -> dict[str, float]:
+    proc, port = start_server(0 if pin else None)
     try:
-        channels = [
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
-            for _ in range(CHANNELS)
-        ]
-        stubs = [pb_grpc.RendezvousStub(c) for c in channels]
-        await run_job(stubs, "warmup", 16)  # connections up, code paths warm
-        before = rss_kib(proc.pid)
-        seconds, members = await run_job(stubs, "bench", n)
-        after = rss_kib(proc.pid)
-        for i in range(0, n, 256):
-            await asyncio.gather(*(stubs[0].Leave(pb.LeaveRequest(job_id="bench", member_id=m)) for m in members[i:i + 256]))
-        for c in channels:
-            await c.close()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            await run_job(stub, "warmup", 16)
+            r0 = await settled_rss(proc.pid)
+            times = [await run_job(stub, "a", n)]
+            peak = rss_kib(proc.pid)["VmHWM"]
+            r1 = await settled_rss(proc.pid)
+            times.append(await run_job(stub, "b", n))
+            r2 = await settled_rss(proc.pid)
+            times.append(await run_job(stub, "c", n))
         return {
             "n": n,
-            "seconds": seconds,
-            "rss_growth_kib_per_member": (after["VmRSS"] - before["VmRSS"]) / n,
-            "peak_growth_kib_per_member": (after["VmHWM"] - before["VmRSS"]) / n,
-            "rss_mib": after["VmRSS"] / 1024,
+            "seconds": statistics.median(times),
+            "worst": max(times),
+            "peak_kib": (peak - r0) / n,
+            "after_kib": (r1 - r0) / n,
+            "warm_kib": (r2 - r1) / n,
+            "rss_mib": r2 / 1024,
         }
     finally:
         proc.terminate()
@@ -94,14 +117,23 @@ async def measure(n: int) -> dict[str, float]:
 
 
 def main() -> None:
-    sizes = [int(a) for a in sys.argv[1:]] or [100, 1000, 10000]
-    print(f"# {os.cpu_count()} CPUs; server: python -m commctx.server; {CHANNELS} client channels")
-    print(f"{'workers':>8} {'first join -> last assignment':>30} {'server RSS':>11} {'RSS growth/member':>18} {'peak growth/member':>19}")
-    for n in sizes:
-        r = asyncio.run(measure(n))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("sizes", nargs="*", type=int, default=[100, 1000, 10000])
+    p.add_argument("--no-pin", action="store_true")
+    args = p.parse_args()
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    if pin:
+        os.sched_setaffinity(0, {1})
+    # The load generator stands for N processes; don't let its GC dominate.
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+    print(f"# {os.cpu_count()} CPUs; server pinned to CPU 0, clients to CPU 1: {pin}; {WORKERS_PER_NODE} workers per node")
+    print(f"{'workers':>8} {'first join -> last assignment':>30} {'worst of 3':>11}  RSS growth per member: {'peak':>9} {'after':>9} {'warm':>9}  {'server RSS':>10}")
+    for n in args.sizes:
+        r = asyncio.run(measure(n, pin))
         print(
-            f"{r['n']:>8} {r['seconds']:>28.3f} s {r['rss_mib']:>7.1f} MiB {r['rss_growth_kib_per_member']:>14.2f} KiB"
-            f" {r['peak_growth_kib_per_member']:>15.2f} KiB",
+            f"{r['n']:>8} {r['seconds']:>28.3f} s {r['worst']:>9.3f} s {'':>23}{r['peak_kib']:>5.1f} KiB {r['after_kib']:>5.1f} KiB"
+            f" {r['warm_kib']:>5.1f} KiB {r['rss_mib']:>6.1f} MiB",
             flush=True,
         )
 

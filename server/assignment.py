@@ -18,6 +18,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
@@ -115,7 +116,7 @@ class WorldPlan:
 
     world_size: int
     nodes: tuple[NodePlacement, ...]
-    placements: Mapping[str, Placement]
+    ranks: Mapping[str, int]  # member id -> global rank
     master_addr: str
     master_port: int
     global_group: GroupSpec
@@ -125,13 +126,21 @@ class WorldPlan:
     num_nodes: int
     dist_url: str  # tcp://master_addr:master_port (IPv6 in brackets)
 
-    def groups_of(self, member_id: str) -> tuple[GroupSpec, ...]:
-        """The groups `member_id` belongs to, in canonical creation order.
+    _first_ranks: tuple[int, ...]  # by node rank
 
-        Raises:
-            KeyError: `member_id` is not part of this world.
-        """
-        p = self.placements[member_id]
+    def placement(self, member_id: str) -> Placement | None:
+        """Where `member_id` sits, or None if it is not part of this world."""
+        rank = self.ranks.get(member_id)
+        if rank is None:
+            return None
+        node_rank = bisect.bisect_right(self._first_ranks, rank) - 1
+        return Placement(member_id, rank, node_rank, rank - self._first_ranks[node_rank])
+
+    def placements(self) -> list[Placement]:
+        return [self.placement(m) for m in self.ranks]
+
+    def groups_of(self, p: Placement) -> tuple[GroupSpec, ...]:
+        """The groups of the worker at `p`, in canonical creation order."""
         return self.global_group, self.intra_groups[p.node_rank], self.inter_groups[p.local_rank]
 
     def all_groups(self) -> dict[str, tuple[GroupSpec, ...]]:
@@ -192,7 +201,7 @@ def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
         order[next(free)] = key
 
     nodes: list[NodePlacement] = []
-    placements: dict[str, Placement] = {}
+    rank_of: dict[str, int] = {}
     first_rank = 0
     for node_rank in range(num_nodes):
         key = order[node_rank]
@@ -215,7 +224,7 @@ def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
                 seats[next(gaps)] = m
         for local_rank, m in enumerate(seats):
             assert m is not None  # every seat is filled: len(seats) == len(node_members)
-            placements[m.member_id] = Placement(m.member_id, first_rank + local_rank, node_rank, local_rank)
+            rank_of[m.member_id] = first_rank + local_rank
         nodes.append(NodePlacement(key, node_rank, first_rank, size, seats[0].address))
         first_rank += size
 
@@ -224,12 +233,12 @@ def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
         ranks = [n.first_rank + i for n in nodes if n.size > i]
         inter.append(GroupSpec(INTER_NODE, i, compress(ranks), len(ranks)))
 
-    rank0 = next(m for m in members if placements[m.member_id].rank == 0)
+    rank0 = next(m for m in members if rank_of[m.member_id] == 0)
     host = f"[{rank0.address}]" if ":" in rank0.address else rank0.address
     return WorldPlan(
         world_size=world_size,
         nodes=tuple(nodes),
-        placements=MappingProxyType(placements),
+        ranks=MappingProxyType(rank_of),
         master_addr=rank0.address,
         master_port=rank0.master_port,
         global_group=GroupSpec(GLOBAL, 0, (RankRun(0, world_size, 1),), world_size),
@@ -237,4 +246,5 @@ def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
         inter_groups=tuple(inter),
         num_nodes=num_nodes,
         dist_url=f"tcp://{host}:{rank0.master_port}",
+        _first_ranks=tuple(n.first_rank for n in nodes),
     )

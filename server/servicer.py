@@ -142,7 +142,7 @@ def join_response(member_id: str, lease_ttl_s: float, a: Assignment) -> pb.JoinR
     m.master_addr = plan.master_addr
     m.master_port = plan.master_port
     m.dist_url = plan.dist_url
-    m.groups.extend([_group_proto(g) for g in plan.groups_of(p.member_id)])
+    m.groups.extend([_group_proto(g) for g in plan.groups_of(p)])
     return response
 
 

@@ -1,6 +1,6 @@
 """Job membership: the rendezvous state machine, leases and waiting.
 
-Values built once per join (JoinParams, Joined, Assignment, MemberSpec) are
+Values built once per join (JoinParams, Joined, Assignment) are
 NamedTuples: as immutable as frozen dataclasses and several times cheaper to
 construct, which shows at ten thousand joins a second.
 
@@ -99,11 +99,20 @@ class JobView:
 
 
 class _Member:
-    __slots__ = ("spec", "lease_deadline")
+    # Few objects per member: thousands of these outlive the join burst, and
+    # each small object pins the allocator page it landed on.
+    __slots__ = ("node_key", "address", "master_port", "local_rank", "node_rank", "lease_deadline")
 
-    def __init__(self, spec: MemberSpec, lease_deadline: float) -> None:
-        self.spec = spec
-        self.lease_deadline = lease_deadline
+    def __init__(self, node: _Node, p: JoinParams) -> None:
+        self.node_key = node.key
+        self.address = node.address if p.address == node.address else p.address
+        self.master_port = p.master_port
+        self.local_rank = p.local_rank
+        self.node_rank = p.node_rank
+        self.lease_deadline = math.inf  # the lease starts when the world forms
+
+    def spec(self, member_id: str) -> MemberSpec:
+        return MemberSpec(member_id, self.node_key, self.address, self.master_port, self.local_rank, self.node_rank)
 
 
 class _Node:
@@ -236,8 +245,7 @@ class Rendezvous:
         if p.local_rank is not None:
             node.local_ranks[p.local_rank] = member_id
         node.workers += 1
-        spec = MemberSpec(member_id, node.key, p.address, p.master_port, p.local_rank, p.node_rank)
-        job.members[member_id] = _Member(spec, math.inf)  # the lease starts when the world forms
+        job.members[member_id] = _Member(node, p)
         if len(job.members) == job.spec.world_size:
             self._form(job)
         return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members))
@@ -283,7 +291,7 @@ class Rendezvous:
 
     def _form(self, job: _Job) -> None:
         try:
-            plan = plan_world([m.spec for m in job.members.values()], job.spec.world_size)
+            plan = plan_world([m.spec(mid) for mid, m in job.members.items()], job.spec.world_size)
         except PlanError as exc:
             job.state = JobState.FAILED
             job.reason = str(exc)
@@ -319,7 +327,7 @@ class Rendezvous:
             if job.state is JobState.FAILED:
                 raise Conflict(f"job {job_id!r} cannot form: {job.reason}")
             if job.state is JobState.FORMED and job.plan is not None:
-                placement = job.plan.placements.get(member_id)
+                placement = job.plan.placement(member_id)
                 if placement is not None:
                     return Assignment(job_id, job.generation, placement, job.plan)
             try:
@@ -335,7 +343,7 @@ class Rendezvous:
         job = self._jobs.get(job_id)
         if job is None or member_id not in job.members:
             return
-        if job.state is JobState.FORMED and job.plan is not None and member_id in job.plan.placements:
+        if job.state is JobState.FORMED and job.plan is not None and member_id in job.plan.ranks:
             return
         self._remove(job, member_id, wake=False)
 
@@ -389,10 +397,10 @@ class Rendezvous:
 
     def _remove(self, job: _Job, member_id: str, *, wake: bool = True) -> None:
         member = job.members.pop(member_id)
-        node = job.nodes[member.spec.node_key]
+        node = job.nodes[member.node_key]
         node.workers -= 1
-        if member.spec.local_rank is not None:
-            node.local_ranks.pop(member.spec.local_rank, None)
+        if member.local_rank is not None:
+            node.local_ranks.pop(member.local_rank, None)
         if node.workers == 0:
             del job.nodes[node.key]
             if node.node_rank is not None:

@@ -29,7 +29,7 @@ def members(layout: list[tuple[str, int | None, int | None]]) -> list[MemberSpec
 
 
 def ranks_by_member(plan) -> dict[str, tuple[int, int, int]]:
-    return {mid: (p.rank, p.node_rank, p.local_rank) for mid, p in plan.placements.items()}
+    return {p.member_id: (p.rank, p.node_rank, p.local_rank) for p in plan.placements()}
 
 
 def groups(plan, mode: str) -> list[list[int]]:
@@ -145,7 +145,7 @@ def test_properties(spec):
     ms = build(spec)
     plan = plan_world(ms, len(ms))
     w = len(ms)
-    placements = list(plan.placements.values())
+    placements = plan.placements()
     # ranks are a permutation of 0..W-1
     assert sorted(p.rank for p in placements) == list(range(w))
     # global rank = sizes of lower nodes + local rank; local ranks contiguous per node
@@ -163,7 +163,7 @@ def test_properties(spec):
         assert g == sorted(p.rank for p in placements if p.local_rank == i)
     # every member's groups contain it, in the canonical order
     for p in placements:
-        gs = plan.groups_of(p.member_id)
+        gs = plan.groups_of(p)
         assert [g.mode for g in gs] == [GLOBAL, INTRA_NODE, INTER_NODE]
         assert all(p.rank in expand(g.ranks) for g in gs)
         assert all(g.size == len(expand(g.ranks)) for g in gs)
