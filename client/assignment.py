@@ -16,6 +16,8 @@ class GroupInfo:
     index: int
     ranks: tuple[int, ...]
     group_rank: int
+    cpu_twin: bool = False  # also build a gloo twin, registered as mode + "_CPU"
+    root: int | None = None  # weight-transfer groups: the sender's global rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Assignment:
     master_port: int
     dist_url: str
     groups: tuple[GroupInfo, ...]  # canonical creation order
+    role: str = ""
 
     @classmethod
     def from_proto(cls, a: pb.Assignment, member_id: str) -> Assignment:
@@ -44,7 +47,8 @@ class Assignment:
                 r for run in g.ranks.runs
                 for r in range(run.start, run.start + run.count * (run.stride or 1), run.stride or 1)
             )
-            groups.append(GroupInfo(mode=g.mode, index=g.index, ranks=ranks, group_rank=bisect.bisect_left(ranks, a.rank)))
+            root = g.root if g.HasField("root") else None
+            groups.append(GroupInfo(g.mode, g.index, ranks, bisect.bisect_left(ranks, a.rank), g.cpu_twin, root))
         return cls(
             job_id=a.job_id,
             member_id=member_id,
@@ -59,7 +63,12 @@ class Assignment:
             master_port=a.master_port,
             dist_url=a.dist_url,
             groups=tuple(groups),
+            role=a.role,
         )
+
+    def group(self, mode: str) -> GroupInfo | None:
+        """This worker's group of `mode` (e.g. to find a weight-transfer group's root)."""
+        return next((g for g in self.groups if g.mode == mode), None)
 
     def torch_env(self) -> dict[str, str]:
         """The variables torchrun would set for this worker."""

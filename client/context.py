@@ -16,11 +16,13 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+from google.protobuf import json_format
 
 from commctx.v1 import rendezvous_pb2 as pb
 
@@ -78,6 +80,28 @@ class LauncherEnv:
             gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
             nccl_socket_ifname=env.get("NCCL_SOCKET_IFNAME") or None,
         )
+
+
+def job_spec_of(spec: Mapping[str, Any] | pb.JobSpec | None, world_size: int) -> pb.JobSpec:
+    """The wire JobSpec for `spec` (a message, its JSON form as a dict, or None).
+
+    Raises:
+        ValueError: the dict is not a JobSpec, or its world_size disagrees.
+    """
+    if spec is None:
+        out = pb.JobSpec()
+    elif isinstance(spec, pb.JobSpec):
+        out = pb.JobSpec()
+        out.CopyFrom(spec)
+    else:
+        try:
+            out = json_format.ParseDict(dict(spec), pb.JobSpec())
+        except json_format.ParseError as exc:
+            raise ValueError(f"spec is not a JobSpec: {exc}") from exc
+    if out.world_size and out.world_size != world_size:
+        raise ValueError(f"spec.world_size {out.world_size} disagrees with world_size {world_size}")
+    out.world_size = world_size
+    return out
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -140,6 +164,8 @@ class CommContext:
         node_key: str | None = None,
         local_rank: int | None = None,
         node_rank: int | None = None,
+        role: str | None = None,
+        spec: Mapping[str, Any] | pb.JobSpec | None = None,
         advertise_addr: str | None = None,
         backend: str = "auto",
         timeout: float = DEFAULT_JOIN_TIMEOUT_S,
@@ -149,7 +175,7 @@ class CommContext:
 
         Blocks until `world_size` workers have joined, then initialises
         torch.distributed through the assigned tcp:// URL and builds the
-        GLOBAL, INTRA_NODE and INTER_NODE groups.
+        GLOBAL, INTRA_NODE and INTER_NODE groups and every group of `spec`.
 
         Args:
             server_addr: 'host:port' of the rendezvous server (port defaults to 50051).
@@ -158,6 +184,10 @@ class CommContext:
             node_key: Identifies this worker's node; default: the hostname.
             local_rank: This worker's rank in its node, if the launcher knows it.
             node_rank: This node's rank, if the launcher knows it.
+            role: This worker's role (e.g. "trainer"), for role-based groups.
+            spec: The job's layout, roles and group rules, as the JobSpec
+                message or its JSON form as a dict (see proto/commctx/v1);
+                every worker of the job passes the same.
             advertise_addr: IP peers reach this worker on; default: the local
                 address of the route to the server.
             backend: 'auto' (NCCL with CUDA, else gloo), 'nccl' or 'gloo'.
@@ -175,6 +205,7 @@ class CommContext:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
         backend = resolve_backend(backend)
+        job_spec = job_spec_of(spec, world_size)
         host, port = split_address(server_addr)
         address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
         try:
@@ -185,7 +216,8 @@ class CommContext:
         try:
             request = pb.JoinRequest(
                 job_id=job_id,
-                spec=pb.JobSpec(world_size=world_size),
+                spec=job_spec,
+                role=role or "",
                 node_key=node_key or socket.gethostname(),
                 address=address,
                 master_port=sock.getsockname()[1],
@@ -206,7 +238,11 @@ class CommContext:
                 )
             sock.close()
             ctx.init_distributed_env(a.world_size, a.rank, backend, a.dist_url, collective_timeout)
-            for g in build_groups(a.groups, a.world_size, backend):
+            built = build_groups(
+                a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size, backend=backend,
+                timeout=datetime.timedelta(seconds=collective_timeout),
+            )
+            for g in built:
                 ctx._register(g.mode, g.group, list(g.ranks), g.group_rank)
         except BaseException:
             sock.close()

@@ -22,7 +22,9 @@ class CommMode(str, enum.Enum):
 
 
 class ParallelMode(str, enum.Enum):
-    """The seed's parallel modes (a superset of CommMode's values)."""
+    """The seed's parallel modes (a superset of CommMode's values), plus the
+    layout modes the server plans (SEQUENCE_PARALLEL is Megatron's context
+    parallelism)."""
 
     GLOBAL = "GLOBAL"
     INTRA_NODE = "INTRA_NODE"
@@ -32,6 +34,8 @@ class ParallelMode(str, enum.Enum):
     TENSOR_PARALLEL = "TENSOR_PARALLEL"
     SEQUENCE_PARALLEL = "SEQUENCE_PARALLEL"
     WEIGHT_TRANSFER = "WEIGHT_TRANSFER"
+    PIPELINE_PARALLEL = "PIPELINE_PARALLEL"
+    EXPERT = "EXPERT"
 
     def __str__(self) -> str:
         return self.value

@@ -1,9 +1,9 @@
 """Rank and group assignment: a pure function of the joined members.
 
 No I/O, no clock, no grpc. Given the members of a job (in join order) and its
-world size, `plan_world` decides node ranks, local ranks, global ranks, the
-master endpoint and the membership of every communication group. The same
-input always gives the same output.
+spec, `plan_world` decides node ranks, local ranks, global ranks, the master
+endpoint and the membership of every communication group. The same input
+always gives the same output.
 
 Rules:
   * Nodes are the distinct node keys. A node whose workers gave an explicit
@@ -13,7 +13,8 @@ Rules:
     free local ranks in join order. Local ranks end up 0..size-1.
   * Global rank = sizes of all lower-ranked nodes + local rank.
   * Groups: GLOBAL (everyone), INTRA_NODE (one per node), INTER_NODE (one per
-    local rank i, holding local rank i of every node that has one).
+    local rank i, holding local rank i of every node that has one), then the
+    spec's layout and rule families (see topology).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
+from .groups import Family, GroupSpec, PlanError, RankRun, compress, expand  # noqa: F401 (re-exported)
+from .spec import JobSpec
+from .topology import check_within_node, layout_families, rule_families
+
 GLOBAL = "GLOBAL"
 INTRA_NODE = "INTRA_NODE"
 INTER_NODE = "INTER_NODE"
-
-
-class PlanError(ValueError):
-    """The members cannot form a valid world; the message says why."""
 
 
 class MemberSpec(NamedTuple):
@@ -43,53 +44,7 @@ class MemberSpec(NamedTuple):
     master_port: int
     local_rank: int | None = None
     node_rank: int | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankRun:
-    """The ranks start, start + stride, ..., count of them."""
-
-    start: int
-    count: int
-    stride: int = 1
-
-    def ranks(self) -> range:
-        return range(self.start, self.start + self.count * self.stride, self.stride)
-
-
-RankSet = tuple[RankRun, ...]
-
-
-def compress(ranks: Sequence[int]) -> RankSet:
-    """Encodes an ascending rank list as arithmetic runs (greedy, deterministic)."""
-    runs: list[RankRun] = []
-    i, n = 0, len(ranks)
-    while i < n:
-        if i + 1 == n:
-            runs.append(RankRun(ranks[i], 1, 1))
-            break
-        stride = ranks[i + 1] - ranks[i]
-        j = i + 1
-        while j + 1 < n and ranks[j + 1] - ranks[j] == stride:
-            j += 1
-        runs.append(RankRun(ranks[i], j - i + 1, stride))
-        i = j + 1
-    return tuple(runs)
-
-
-def expand(runs: RankSet) -> list[int]:
-    """The inverse of `compress`."""
-    return [r for run in runs for r in run.ranks()]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GroupSpec:
-    """One communication group: its mode, which one of that mode, its members."""
-
-    mode: str
-    index: int
-    ranks: RankSet
-    size: int
+    role: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,15 +69,16 @@ class Placement(NamedTuple):
 class WorldPlan:
     """The complete world of one generation."""
 
-    world_size: int
+    spec: JobSpec
     nodes: tuple[NodePlacement, ...]
     ranks: Mapping[str, int]  # member id -> global rank
+    roles: tuple[str, ...]  # by rank
     master_addr: str
     master_port: int
     global_group: GroupSpec
     intra_groups: tuple[GroupSpec, ...]  # by node rank
     inter_groups: tuple[GroupSpec, ...]  # by local rank
-
+    families: tuple[Family, ...]  # layout modes, then rule modes; a worker is in at most one group of each
     num_nodes: int
     dist_url: str  # tcp://master_addr:master_port (IPv6 in brackets)
 
@@ -139,13 +95,22 @@ class WorldPlan:
     def placements(self) -> list[Placement]:
         return [self.placement(m) for m in self.ranks]
 
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
     def groups_of(self, p: Placement) -> tuple[GroupSpec, ...]:
         """The groups of the worker at `p`, in canonical creation order."""
-        return self.global_group, self.intra_groups[p.node_rank], self.inter_groups[p.local_rank]
+        base = (self.global_group, self.intra_groups[p.node_rank], self.inter_groups[p.local_rank])
+        if not self.families:
+            return base
+        return base + tuple(g for f in self.families if (g := f.group_of(p.rank)) is not None)
 
     def all_groups(self) -> dict[str, tuple[GroupSpec, ...]]:
-        """Every group of the world, by mode."""
-        return {GLOBAL: (self.global_group,), INTRA_NODE: self.intra_groups, INTER_NODE: self.inter_groups}
+        """Every group of the world, by mode, in canonical order."""
+        groups = {GLOBAL: (self.global_group,), INTRA_NODE: self.intra_groups, INTER_NODE: self.inter_groups}
+        groups.update((f.mode, f.groups) for f in self.families)
+        return groups
 
 
 _DIGITS = re.compile(r"(\d+)")
@@ -157,20 +122,22 @@ def node_sort_key(node_key: str) -> tuple:
     return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), node_key
 
 
-def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
+def plan_world(members: Sequence[MemberSpec], spec: JobSpec) -> WorldPlan:
     """Assigns every member its ranks and builds the group plan.
 
     Args:
-        members: The joined workers in join order; exactly `world_size` of them.
-        world_size: The job's world size.
+        members: The joined workers in join order; exactly `spec.world_size` of them.
+        spec: The job's spec.
 
     Returns:
         The world plan.
 
     Raises:
-        PlanError: explicit node or local ranks cannot all be honoured, or the
-            member count is not the world size.
+        PlanError: explicit node or local ranks cannot all be honoured, a
+            within-node dimension would span nodes, a weight-transfer scope has
+            no sender, or the member count is not the world size.
     """
+    world_size = spec.world_size
     if len(members) != world_size:
         raise PlanError(f"{len(members)} workers joined but world_size is {world_size}")
 
@@ -235,16 +202,42 @@ def plan_world(members: Sequence[MemberSpec], world_size: int) -> WorldPlan:
 
     rank0 = next(m for m in members if rank_of[m.member_id] == 0)
     host = f"[{rank0.address}]" if ":" in rank0.address else rank0.address
+    first_ranks = tuple(n.first_rank for n in nodes)
+    families: list[Family] = []
+    roles: tuple[str, ...] = ()
+    if spec.layout is not None or spec.rules or any(m.role for m in members):
+        role_by_rank = [""] * world_size
+        for m in members:
+            role_by_rank[rank_of[m.member_id]] = m.role
+        roles = tuple(role_by_rank)
+        keys, sizes = [n.node_key for n in nodes], [n.size for n in nodes]
+        if spec.layout is not None:
+            check_within_node(spec.layout, first_ranks, keys, sizes)
+            families += layout_families(spec.layout, world_size)
+        families += rule_families(spec, keys, first_ranks, sizes, roles)
+    global_group = GroupSpec(GLOBAL, 0, (RankRun(0, world_size, 1),), world_size)
+    intra = tuple(GroupSpec(INTRA_NODE, n.node_rank, (RankRun(n.first_rank, n.size, 1),), n.size) for n in nodes)
+    inter_groups = tuple(inter)
+    if spec.cpu_twins:
+        twins = set(spec.cpu_twins)
+
+        def twin(groups):
+            return tuple(dataclasses.replace(g, cpu_twin=True) if g.mode in twins else g for g in groups)
+
+        (global_group,), intra, inter_groups = twin((global_group,)), twin(intra), twin(inter_groups)
+        families = [Family(f.mode, twin(f.groups), f._index_of) if f.mode in twins else f for f in families]
     return WorldPlan(
-        world_size=world_size,
+        spec=spec,
         nodes=tuple(nodes),
         ranks=MappingProxyType(rank_of),
+        roles=roles,
         master_addr=rank0.address,
         master_port=rank0.master_port,
-        global_group=GroupSpec(GLOBAL, 0, (RankRun(0, world_size, 1),), world_size),
-        intra_groups=tuple(GroupSpec(INTRA_NODE, n.node_rank, (RankRun(n.first_rank, n.size, 1),), n.size) for n in nodes),
-        inter_groups=tuple(inter),
+        global_group=global_group,
+        intra_groups=intra,
+        inter_groups=inter_groups,
+        families=tuple(families),
         num_nodes=num_nodes,
         dist_url=f"tcp://{host}:{rank0.master_port}",
-        _first_ranks=tuple(n.first_rank for n in nodes),
+        _first_ranks=first_ranks,
     )

@@ -30,7 +30,8 @@ from .errors import (
     Unavailable,
     WaitTimeout,
 )
-from .state import Assignment, JobSpec, JobState, JobView, JoinParams, Rendezvous
+from .spec import JobSpec, spec_from_proto, spec_to_proto
+from .state import Assignment, JobState, JobView, JoinParams, Rendezvous
 
 log = logging.getLogger("commctx.server")
 
@@ -45,10 +46,10 @@ STATUS_OF: dict[type[RendezvousError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
-MAX_WORLD_SIZE = 1 << 20
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
+_ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _STATE = {
     JobState.FORMING: pb.JobDescription.FORMING,
     JobState.FORMED: pb.JobDescription.FORMED,
@@ -87,9 +88,10 @@ def join_params(r: pb.JoinRequest) -> JoinParams:
         "node_key", r.node_key, _NODE_KEY, 253,
         "use letters, digits, '.', '_', ':' and '-', starting with a letter or digit",
     )
-    world_size = r.spec.world_size
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgument(f"spec.world_size {world_size} is out of range 1..{MAX_WORLD_SIZE}")
+    spec = _spec(r.spec.SerializeToString(deterministic=True))
+    world_size = spec.world_size
+    if r.role and not _ROLE.fullmatch(r.role):
+        raise InvalidArgument(f"role {r.role[:70]!r} is malformed: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit")
     address, loopback = _address(r.address)
     if not 1 <= r.master_port <= 65535:
         raise InvalidArgument(f"master_port {r.master_port} is out of range 1..65535")
@@ -99,7 +101,12 @@ def join_params(r: pb.JoinRequest) -> JoinParams:
     node_rank = r.node_rank if r.HasField("node_rank") else None
     if node_rank is not None and node_rank >= world_size:
         raise InvalidArgument(f"node_rank {node_rank} is not below world_size {world_size}")
-    return JoinParams(job_id, JobSpec(world_size), node_key, address, r.master_port, local_rank, node_rank, loopback)
+    return JoinParams(job_id, spec, node_key, address, r.master_port, local_rank, node_rank, loopback, r.role)
+
+
+@functools.lru_cache(maxsize=256)  # every worker of a job sends the same spec
+def _spec(wire: bytes) -> JobSpec:
+    return spec_from_proto(pb.JobSpec.FromString(wire))
 
 
 def _address(value: str) -> tuple[str, bool]:
@@ -123,7 +130,7 @@ def _address(value: str) -> tuple[str, bool]:
 @functools.lru_cache(maxsize=4096)  # every member of a group shares the same message
 def _group_proto(group: GroupSpec) -> pb.Group:
     runs = [pb.RankRun(start=r.start, count=r.count, stride=r.stride) for r in group.ranks]
-    return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs))
+    return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs), cpu_twin=group.cpu_twin, root=group.root)
 
 
 def join_response(member_id: str, lease_ttl_s: float, a: Assignment) -> pb.JoinResponse:
@@ -142,6 +149,8 @@ def join_response(member_id: str, lease_ttl_s: float, a: Assignment) -> pb.JoinR
     m.master_addr = plan.master_addr
     m.master_port = plan.master_port
     m.dist_url = plan.dist_url
+    if plan.roles:
+        m.role = plan.roles[p.rank]
     m.groups.extend([_group_proto(g) for g in plan.groups_of(p)])
     return response
 
@@ -151,13 +160,14 @@ def description_proto(v: JobView) -> pb.JobDescription:
         job_id=v.job_id,
         state=_STATE[v.state],
         generation=v.generation,
-        spec=pb.JobSpec(world_size=v.spec.world_size),
+        spec=spec_to_proto(v.spec),
         joined=v.joined,
         missing=v.missing,
         nodes=[
             pb.NodeDescription(
                 node_key=n.node_key, address=n.address, workers=n.workers,
                 node_rank=n.node_rank if n.node_rank is not None else 0,
+                roles=[pb.RoleCount(role=r, count=c) for r, c in n.roles],
             )
             for n in v.nodes
         ],

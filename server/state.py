@@ -29,15 +29,9 @@ from typing import NamedTuple
 
 from .assignment import MemberSpec, PlanError, Placement, WorldPlan, node_sort_key, plan_world
 from .errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration, WaitTimeout
+from .spec import JobSpec
 
 log = logging.getLogger("commctx.server")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class JobSpec:
-    """Parameters every worker of a job must agree on."""
-
-    world_size: int
 
 
 class JoinParams(NamedTuple):
@@ -51,6 +45,7 @@ class JoinParams(NamedTuple):
     local_rank: int | None = None
     node_rank: int | None = None
     loopback: bool = False  # whether `address` is a loopback address
+    role: str = ""
 
 
 class JobState(enum.Enum):
@@ -81,6 +76,7 @@ class NodeView:
     address: str
     workers: int
     node_rank: int | None
+    roles: tuple[tuple[str, int], ...] = ()  # workers per role, by role name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,7 +97,7 @@ class JobView:
 class _Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
-    __slots__ = ("node_key", "address", "master_port", "local_rank", "node_rank", "lease_deadline")
+    __slots__ = ("node_key", "address", "master_port", "local_rank", "node_rank", "role", "lease_deadline")
 
     def __init__(self, node: _Node, p: JoinParams) -> None:
         self.node_key = node.key
@@ -109,10 +105,11 @@ class _Member:
         self.master_port = p.master_port
         self.local_rank = p.local_rank
         self.node_rank = p.node_rank
+        self.role = p.role
         self.lease_deadline = math.inf  # the lease starts when the world forms
 
     def spec(self, member_id: str) -> MemberSpec:
-        return MemberSpec(member_id, self.node_key, self.address, self.master_port, self.local_rank, self.node_rank)
+        return MemberSpec(member_id, self.node_key, self.address, self.master_port, self.local_rank, self.node_rank, self.role)
 
 
 class _Node:
@@ -129,7 +126,7 @@ class _Node:
 class _Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks",
-        "plan", "reason", "forming_since", "loopback", "waiters", "timer", "timer_at",
+        "plan", "reason", "forming_since", "loopback", "waiters", "timer", "timer_at", "role_counts",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -144,6 +141,7 @@ class _Job:
         self.reason = ""
         self.forming_since = now
         self.loopback = loopback
+        self.role_counts: dict[str, int] = {}
         # Waiting workers and their deadlines. One timer per job, armed for the
         # earliest deadline, rather than one per worker: the loop's timer heap
         # is costly at ten thousand entries.
@@ -209,6 +207,10 @@ class Rendezvous:
         self._clock = clock
         self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
         self._jobs: dict[str, _Job] = {}
+        # Jobs that failed to form, kept a while after their last worker left so
+        # that DescribeJob can still say why.
+        self._failed: dict[str, tuple[JobView, float]] = {}
+        self.failed_job_ttl_s = 300.0
 
     # -- joining -------------------------------------------------------------
 
@@ -235,6 +237,11 @@ class Rendezvous:
 
         now = self._clock()
         if job is None:
+            declared = p.spec.role_count(p.role)
+            if declared == 0:
+                roles = ", ".join(f"{r}:{c}" for r, c in p.spec.roles)
+                raise Conflict(f"job {p.job_id!r} declares roles {roles} but this worker joined as role {p.role!r}")
+            self._failed.pop(p.job_id, None)
             job = self._jobs[p.job_id] = _Job(p.job_id, p.spec, p.loopback, now)
         if node is None:
             node = job.nodes[p.node_key] = _Node(p.node_key, p.address)
@@ -245,6 +252,7 @@ class Rendezvous:
         if p.local_rank is not None:
             node.local_ranks[p.local_rank] = member_id
         node.workers += 1
+        job.role_counts[p.role] = job.role_counts.get(p.role, 0) + 1
         job.members[member_id] = _Member(node, p)
         if len(job.members) == job.spec.world_size:
             self._form(job)
@@ -252,10 +260,7 @@ class Rendezvous:
 
     def _check_admissible(self, job: _Job, p: JoinParams) -> None:
         if job.spec != p.spec:
-            raise Conflict(
-                f"job {job.job_id!r} has world_size={job.spec.world_size} but this worker "
-                f"asked for world_size={p.spec.world_size}"
-            )
+            raise Conflict(f"job {job.job_id!r} has {job.spec.difference(p.spec)}")
         if job.state is JobState.FAILED:
             raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
         if job.state is JobState.FORMED or len(job.members) >= job.spec.world_size:
@@ -263,6 +268,12 @@ class Rendezvous:
                 f"job {job.job_id!r} already has all {job.spec.world_size} workers "
                 f"(generation {job.generation}); node {p.node_key!r} cannot join it"
             )
+        declared = job.spec.role_count(p.role)
+        if declared is not None and job.role_counts.get(p.role, 0) >= declared:
+            if declared == 0:
+                roles = ", ".join(f"{r}:{c}" for r, c in job.spec.roles)
+                raise Conflict(f"job {job.job_id!r} declares roles {roles} but this worker joined as role {p.role!r}")
+            raise JobFull(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
         if p.loopback != job.loopback:
             first = next(iter(job.nodes.values()))
             raise Conflict(
@@ -291,7 +302,7 @@ class Rendezvous:
 
     def _form(self, job: _Job) -> None:
         try:
-            plan = plan_world([m.spec(mid) for mid, m in job.members.items()], job.spec.world_size)
+            plan = plan_world([m.spec(mid) for mid, m in job.members.items()], job.spec)
         except PlanError as exc:
             job.state = JobState.FAILED
             job.reason = str(exc)
@@ -393,12 +404,15 @@ class Rendezvous:
         ]
         for job, mid in expired:
             self._remove(job, mid)
+        for job_id in [j for j, (_, until) in self._failed.items() if until < now]:
+            del self._failed[job_id]
         return [(job.job_id, mid) for job, mid in expired]
 
     def _remove(self, job: _Job, member_id: str, *, wake: bool = True) -> None:
         member = job.members.pop(member_id)
         node = job.nodes[member.node_key]
         node.workers -= 1
+        job.role_counts[member.role] -= 1
         if member.local_rank is not None:
             node.local_ranks.pop(member.local_rank, None)
         if node.workers == 0:
@@ -406,6 +420,8 @@ class Rendezvous:
             if node.node_rank is not None:
                 job.node_ranks.pop(node.node_rank, None)
         if not job.members:
+            if job.state is JobState.FAILED:
+                self._failed[job.job_id] = (self.describe(job.job_id), self._clock() + self.failed_job_ttl_s)
             del self._jobs[job.job_id]
         if wake:  # a waiting member that expired or left learns it at once
             job.notify()
@@ -414,18 +430,24 @@ class Rendezvous:
 
     def describe(self, job_id: str) -> JobView:
         """Raises NotFound for an unknown job."""
+        if job_id not in self._jobs and job_id in self._failed:
+            return self._failed[job_id][0]
         job = self._job(job_id)
+        roles: dict[str, dict[str, int]] = {}
+        for m in job.members.values():
+            per_node = roles.setdefault(m.node_key, {})
+            per_node[m.role] = per_node.get(m.role, 0) + 1
         if job.state is JobState.FORMED and job.plan is not None:
             present = set(job.nodes)
             nodes = tuple(
-                NodeView(n.node_key, n.address, job.nodes[n.node_key].workers, n.node_rank)
+                NodeView(n.node_key, n.address, job.nodes[n.node_key].workers, n.node_rank, tuple(sorted(roles[n.node_key].items())))
                 for n in job.plan.nodes
                 if n.node_key in present
             )
             reason = ""
         else:
             nodes = tuple(
-                NodeView(n.key, n.address, n.workers, n.node_rank)
+                NodeView(n.key, n.address, n.workers, n.node_rank, tuple(sorted(roles.get(n.key, {}).items())))
                 for n in sorted(job.nodes.values(), key=lambda n: node_sort_key(n.key))
             )
             reason = job.reason if job.state is JobState.FAILED else f"waiting: {job.shortfall()}"

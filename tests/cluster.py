@@ -96,10 +96,14 @@ class Server(Proc):
 
 
 def worker(server: str, job: str, world_size: int, *, node_key: str | None = None, netns: str | None = None,
-           hostname: str | None = None, name: str = "worker") -> Proc:
+           hostname: str | None = None, name: str = "worker", role: str | None = None, spec: dict | None = None) -> Proc:
     argv = [sys.executable, WORKER, "--server", server, "--job", job, "--world-size", str(world_size)]
     if node_key:
         argv += ["--node-key", node_key]
+    if role:
+        argv += ["--role", role]
+    if spec:
+        argv += ["--spec", json.dumps(spec)]
     if hostname:  # a host of its own: private UTS namespace with its own hostname
         argv = ["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', hostname, *argv]
     if netns:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from commctx.server.spec import JobSpec
 from commctx.server.assignment import (
     GLOBAL,
     INTER_NODE,
@@ -44,7 +45,7 @@ def test_numeric_aware_node_order():
 
 def test_two_nodes_in_join_order():
     # Workers of node66 join first; node7 still gets node rank 0.
-    plan = plan_world(members([("node66", None, None), ("node7", None, None), ("node66", None, None), ("node7", None, None)]), 4)
+    plan = plan_world(members([("node66", None, None), ("node7", None, None), ("node66", None, None), ("node7", None, None)]), JobSpec(4))
     assert ranks_by_member(plan) == {
         "m1": (0, 0, 0),
         "m3": (1, 0, 1),
@@ -61,7 +62,7 @@ def test_two_nodes_in_join_order():
 
 
 def test_heterogeneous_nodes():
-    plan = plan_world(members([("b", None, None), ("a", None, None), ("a", None, None), ("a", None, None), ("c", None, None), ("c", None, None)]), 6)
+    plan = plan_world(members([("b", None, None), ("a", None, None), ("a", None, None), ("a", None, None), ("c", None, None), ("c", None, None)]), JobSpec(6))
     assert [(n.node_key, n.first_rank, n.size) for n in plan.nodes] == [("a", 0, 3), ("b", 3, 1), ("c", 4, 2)]
     assert groups(plan, INTRA_NODE) == [[0, 1, 2], [3], [4, 5]]
     # local rank 2 exists only on node a; local rank 1 on a and c
@@ -70,12 +71,12 @@ def test_heterogeneous_nodes():
 
 
 def test_explicit_local_ranks_kept_and_gaps_filled_in_join_order():
-    plan = plan_world(members([("n", 2, None), ("n", None, None), ("n", 0, None), ("n", None, None)]), 4)
+    plan = plan_world(members([("n", 2, None), ("n", None, None), ("n", 0, None), ("n", None, None)]), JobSpec(4))
     assert {m: p[2] for m, p in ranks_by_member(plan).items()} == {"m0": 2, "m1": 1, "m2": 0, "m3": 3}
 
 
 def test_explicit_node_ranks_override_key_order():
-    plan = plan_world(members([("a", None, 1), ("b", None, None), ("c", None, 0)]), 3)
+    plan = plan_world(members([("a", None, 1), ("b", None, None), ("c", None, 0)]), JobSpec(3))
     assert [n.node_key for n in plan.nodes] == ["c", "a", "b"]
 
 
@@ -91,7 +92,7 @@ def test_explicit_node_ranks_override_key_order():
 )
 def test_unsatisfiable_worlds_name_the_numbers(layout, world_size, message):
     with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        plan_world(members(layout), world_size)
+        plan_world(members(layout), JobSpec(world_size))
 
 
 @pytest.mark.parametrize(
@@ -111,7 +112,7 @@ def test_compress_table(ranks, runs):
 
 def test_regular_groups_cost_one_run_at_any_scale():
     n_nodes, per_node = 1250, 8
-    plan = plan_world(members([(f"node{i // per_node}", None, None) for i in range(n_nodes * per_node)]), 10_000)
+    plan = plan_world(members([(f"node{i // per_node}", None, None) for i in range(n_nodes * per_node)]), JobSpec(10_000))
     for mode, gs in plan.all_groups().items():
         assert all(len(g.ranks) == 1 for g in gs), mode
     assert plan.inter_groups[3].ranks == (RankRun(3, n_nodes, per_node),)
@@ -143,7 +144,7 @@ def build(spec: list[tuple[int, bool]]) -> list[MemberSpec]:
 @given(worlds)
 def test_properties(spec):
     ms = build(spec)
-    plan = plan_world(ms, len(ms))
+    plan = plan_world(ms, JobSpec(len(ms)))
     w = len(ms)
     placements = plan.placements()
     # ranks are a permutation of 0..W-1
@@ -171,7 +172,7 @@ def test_properties(spec):
     keys = [n.node_key for n in plan.nodes]
     assert keys == sorted(keys, key=node_sort_key)
     # same input -> same output
-    again = plan_world(list(ms), len(ms))
+    again = plan_world(list(ms), JobSpec(len(ms)))
     assert ranks_by_member(again) == ranks_by_member(plan)
     assert again.all_groups() == plan.all_groups()
 

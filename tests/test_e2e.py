@@ -137,3 +137,70 @@ def _by_host(layout: dict[str, int], results: list[dict]):
 async def _describe(address: str, job: str) -> pb.JobDescription:
     async with grpc.aio.insecure_channel(address) as channel:
         return await pb_grpc.RendezvousStub(channel).DescribeJob(pb.DescribeJobRequest(job_id=job), timeout=5)
+
+
+def test_tensor_and_data_parallel_across_two_hosts(hosts):
+    """2 hosts × 2 workers, tp=2 inside each host, dp=2 across them; a gloo twin of DATA_PARALLEL."""
+    spec = {"layout": {"tp": 2, "dp": 2, "within_node": ["tp"]}, "cpu_twins": ["DATA_PARALLEL"]}
+    server = Server(hosts.server_ip)
+    workers = [
+        worker(server.address, "3d", 4, netns=ns, hostname=host, name=f"{host}-{i}", spec=spec)
+        for host, ns in zip(("host-a", "host-b"), hosts.names)
+        for i in range(2)
+    ]
+    with running([server, *workers]):
+        results = {r["rank"]: r for r in (w.event(120) for w in workers)}
+        assert sorted(results) == [0, 1, 2, 3]
+        for rank, r in results.items():
+            node = rank // 2
+            assert r["groups"]["TENSOR_PARALLEL"] == [2 * node, 2 * node + 1] == r["groups"]["INTRA_NODE"]
+            assert r["groups"]["DATA_PARALLEL"] == r["groups"]["DATA_PARALLEL_CPU"] == [rank % 2, rank % 2 + 2]
+            assert r["groups"]["PIPELINE_PARALLEL"] == [rank]
+            assert r["sums"] == {m: float(sum(x + 1 for x in g)) for m, g in r["groups"].items()}
+            assert r["sums"]["TENSOR_PARALLEL"] == (3.0, 7.0)[node]
+            assert r["sums"]["DATA_PARALLEL"] == (4.0, 6.0)[rank % 2]
+        for w in workers:
+            w.send("destroy")
+        for w in workers:
+            assert w.event(60)["event"] == "destroyed"
+
+
+RL_SPEC = {
+    "roles": [{"role": "trainer", "count": 2}, {"role": "rollout", "count": 4}],
+    "groups": [
+        {"mode": "TRAIN_DATA_PARALLEL", "role_group": {"roles": ["trainer"]}},
+        {"mode": "WEIGHT_TRANSFER", "weight_transfer": {"sender_role": "trainer", "receiver_roles": ["rollout"], "scope": "SCOPE_NODE"}},
+    ],
+}
+
+
+def test_rl_trainers_and_rollouts_across_two_hosts(hosts):
+    """Each host runs 1 trainer and 2 rollout workers: all_reduce over the trainers,
+    broadcast from each host's trainer to its rollouts over WEIGHT_TRANSFER."""
+    server = Server(hosts.server_ip)
+    workers = []
+    for host, ns in zip(("host-a", "host-b"), hosts.names):
+        # the trainer is started last, so it need not get local rank 0
+        for role in ("rollout", "rollout", "trainer"):
+            workers.append(worker(server.address, "rl", 6, netns=ns, hostname=host, name=f"{host}-{role}-{len(workers)}", role=role, spec=RL_SPEC))
+    with running([server, *workers]):
+        results = [w.event(120) for w in workers]
+        trainers = sorted(r["rank"] for r in results if r["role"] == "trainer")
+        assert len(trainers) == 2 and trainers[0] < 3 <= trainers[1]
+        for r in results:
+            node = r["rank"] // 3
+            wt = r["groups"]["WEIGHT_TRANSFER"]
+            assert wt == [3 * node, 3 * node + 1, 3 * node + 2]
+            assert r["roots"]["WEIGHT_TRANSFER"] == trainers[node]
+            # every worker of the node received its trainer's value
+            assert r["broadcasts"]["WEIGHT_TRANSFER"] == 1000.0 + trainers[node]
+            if r["role"] == "trainer":
+                assert r["groups"]["TRAIN_DATA_PARALLEL"] == trainers
+                assert r["sums"]["TRAIN_DATA_PARALLEL"] == float(sum(t + 1 for t in trainers))
+            else:
+                assert "TRAIN_DATA_PARALLEL" not in r["groups"]
+            assert r["sums"] == {m: float(sum(x + 1 for x in g)) for m, g in r["groups"].items()}
+        for w in workers:
+            w.send("destroy")
+        for w in workers:
+            assert w.event(60)["event"] == "destroyed"

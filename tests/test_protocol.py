@@ -166,8 +166,13 @@ async def test_a_world_that_cannot_form_fails_every_waiter_with_the_reason(stub)
     waiting.append(asyncio.ensure_future(stub.Join(join_request("bad", 3, "b", 2))))
     for call in waiting:
         await expect_error(call, Code.FAILED_PRECONDITION, "node 'a' has 2 workers but one asked for local_rank 2")
-    # Everyone left: the job is gone, the id can be used again.
-    await eventually(lambda: _gone(stub, "bad"))
+    # Everyone left; describe still says why it failed ...
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="bad"))
+    assert (d.state, d.joined) == (pb.JobDescription.FAILED, 0)
+    assert "asked for local_rank 2" in d.reason
+    # ... and the id can be used again.
+    again = await stub.Join(join_request("bad", 1, "a", 3))
+    assert again.assignment.generation == 1
 
 
 async def test_wait_timeout_says_who_is_missing(stub):
@@ -280,3 +285,52 @@ async def _gone(stub, job_id: str) -> bool:
     except grpc.aio.AioRpcError as err:
         return err.code() == Code.NOT_FOUND
     return False
+
+
+def rl_spec() -> pb.JobSpec:
+    return pb.JobSpec(
+        world_size=3,
+        roles=[pb.RoleCount(role="trainer", count=1), pb.RoleCount(role="rollout", count=2)],
+        groups=[pb.GroupRule(mode="WEIGHT_TRANSFER", weight_transfer=pb.WeightTransfer(sender_role="trainer", receiver_roles=["rollout"]))],
+    )
+
+
+async def test_roles_are_counted_like_world_size(stub):
+    def req(i, role, **kw):
+        r = join_request("rl", 3, "n", i, role=role, **kw)
+        r.spec.CopyFrom(rl_spec())
+        return r
+
+    first = asyncio.ensure_future(stub.Join(req(0, "trainer")))
+    await eventually(lambda: _joined(stub, "rl", 1))
+    await expect_error(stub.Join(req(1, "trainer")), Code.RESOURCE_EXHAUSTED, "already has all 1 workers of role 'trainer'")
+    await expect_error(stub.Join(req(2, "critic")), Code.FAILED_PRECONDITION, "declares roles trainer:1, rollout:2", "role 'critic'")
+    await expect_error(stub.Join(req(3, "bad role!")), Code.INVALID_ARGUMENT, "role 'bad role!' is malformed")
+    other = join_request("rl", 3, "n", 4, role="rollout")  # same world size, no roles: a different spec
+    await expect_error(stub.Join(other), Code.FAILED_PRECONDITION, "roles=trainer:1,rollout:2 but this worker asked for roles=none")
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="rl"))
+    assert [(r.role, r.count) for r in d.nodes[0].roles] == [("trainer", 1)]
+    assert d.spec == rl_spec()
+    rest = await asyncio.gather(stub.Join(req(5, "rollout")), stub.Join(req(6, "rollout")))
+    a = (await first).assignment
+    assert a.role == "trainer" and [r.assignment.role for r in rest] == ["rollout", "rollout"]
+    assert [g.mode for g in a.groups][-1] == "WEIGHT_TRANSFER" and ranks_of(a.groups[-1]) == [0, 1, 2]
+
+
+async def test_unsatisfiable_layout_fails_everyone_and_describe_says_why(stub):
+    layout = pb.JobSpec(world_size=4, layout=pb.ParallelLayout(tp=2, within_node=["tp"]))
+
+    def req(i, node):
+        r = join_request("tp", 4, node, i)
+        r.spec.CopyFrom(layout)
+        return r
+
+    calls = [asyncio.ensure_future(stub.Join(req(i, n))) for i, n in enumerate(["a", "b", "c", "c"])]
+    for call in calls:
+        await expect_error(call, Code.FAILED_PRECONDITION, "TENSOR_PARALLEL group [0, 1] spans nodes 'a' and 'b'")
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="tp"))
+    assert d.state == pb.JobDescription.FAILED and "tp=2 must stay within a node" in d.reason
+    # a spec no world can satisfy is refused at the first join
+    bad = req(9, "a")
+    bad.spec.layout.tp = 3
+    await expect_error(stub.Join(bad), Code.FAILED_PRECONDITION, "world_size 4 is not divisible by tp×cp×ep×pp = 3×1×1×1 = 3")

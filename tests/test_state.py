@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from commctx.server.errors import Conflict, JobFull, NotFound, StaleGeneration, WaitTimeout
-from commctx.server.state import JobSpec, JobState, JoinParams, Rendezvous
+from commctx.server.spec import JobSpec
+from commctx.server.state import JobState, JoinParams, Rendezvous
 
 
 class FakeClock:

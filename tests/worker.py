@@ -25,13 +25,32 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def modes(ctx: CommContext) -> list[str]:
+    """Every mode this worker has a group of, twins included, in plan order."""
+    out = []
+    for g in ctx.assignment.groups:
+        out += [g.mode, f"{g.mode}_CPU"] if g.cpu_twin else [g.mode]
+    return out
+
+
 def reduce_all(ctx: CommContext) -> dict[str, float]:
     sums = {}
-    for mode in CommMode:
+    for mode in modes(ctx):
         x = torch.tensor([float(ctx.get_global_rank() + 1)])
         dist.all_reduce(x, group=ctx.get_group(mode))
-        sums[mode.value] = x.item()
+        sums[mode] = x.item()
     return sums
+
+
+def broadcasts(ctx: CommContext) -> dict[str, float]:
+    """From the root of each group that has one (weight transfer): 1000 + root's rank."""
+    out = {}
+    for g in ctx.assignment.groups:
+        if g.root is not None:
+            x = torch.tensor([1000.0 + ctx.get_global_rank()])
+            dist.broadcast(x, src=g.root, group=ctx.get_group(g.mode))
+            out[g.mode] = x.item()
+    return out
 
 
 def main() -> None:
@@ -41,10 +60,15 @@ def main() -> None:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--node-key")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--role")
+    p.add_argument("--spec", type=json.loads, help="JobSpec as JSON")
     args = p.parse_args()
 
     start = time.perf_counter()
-    ctx = CommContext.join(args.server, job_id=args.job, world_size=args.world_size, node_key=args.node_key, timeout=args.timeout)
+    ctx = CommContext.join(
+        args.server, job_id=args.job, world_size=args.world_size, node_key=args.node_key, timeout=args.timeout,
+        role=args.role, spec=args.spec,
+    )
     joined_s = time.perf_counter() - start
     a = ctx.assignment
     emit(
@@ -60,9 +84,12 @@ def main() -> None:
         dist_url=a.dist_url,
         world_size=ctx.get_world_size(CommMode.GLOBAL),
         same_singleton=CommContext() is ctx,
-        groups={m.value: ctx.get_ranks_in_group(m) for m in CommMode},
+        role=a.role,
+        groups={m: ctx.get_ranks_in_group(m) for m in modes(ctx)},
         group_ranks={m.value: ctx.get_local_rank(ParallelMode(m.value)) for m in CommMode},
         group_sizes={m.value: ctx.get_world_size(m.value) for m in CommMode},
+        roots={g.mode: g.root for g in a.groups if g.root is not None},
+        broadcasts=broadcasts(ctx),
         intra_is_group=ctx.get_intra_node_process_group() is ctx.get_group("INTRA_NODE"),
         inter_is_group=ctx.get_inter_node_process_group() is ctx.get_group(CommMode.INTER_NODE),
         sums=reduce_all(ctx),

@@ -24,43 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ommctx/v1/rendezvous.proto\x12\ncommctx.v1\"\x1d\n\x07JobSpec\x12\x12\n\nworld_size\x18\x01 \x01(\r\"\xdf\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x10\n\x08node_key\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x17\n\nlocal_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnode_rank\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fwait_timeout_ms\x18\x08 \x01(\rB\r\n\x0b_local_rankB\x0c\n\n_node_rank\"c\n\x0cJoinResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12*\n\nassignment\x18\x03 \x01(\x0b\x32\x16.commctx.v1.Assignment\"\x85\x02\n\nAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tnode_rank\x18\x05 \x01(\r\x12\x11\n\tnum_nodes\x18\x06 \x01(\r\x12\x12\n\nlocal_rank\x18\x07 \x01(\r\x12\x18\n\x10local_world_size\x18\x08 \x01(\r\x12\x13\n\x0bmaster_addr\x18\t \x01(\t\x12\x13\n\x0bmaster_port\x18\n \x01(\r\x12\x10\n\x08\x64ist_url\x18\x0b \x01(\t\x12!\n\x06groups\x18\x0c \x03(\x0b\x32\x11.commctx.v1.Group\"H\n\x05Group\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\"\n\x05ranks\x18\x03 \x01(\x0b\x32\x13.commctx.v1.RankSet\",\n\x07RankSet\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.commctx.v1.RankRun\"7\n\x07RankRun\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06stride\x18\x03 \x01(\r\"I\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"=\n\x11KeepAliveResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"1\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"$\n\x12\x44\x65scribeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xc1\x02\n\x0eJobDescription\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .commctx.v1.JobDescription.State\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12!\n\x04spec\x18\x04 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x0e\n\x06joined\x18\x05 \x01(\r\x12\x0f\n\x07missing\x18\x06 \x01(\r\x12*\n\x05nodes\x18\x07 \x03(\x0b\x32\x1b.commctx.v1.NodeDescription\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x15\n\rforming_for_s\x18\t \x01(\x01\"C\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORMING\x10\x01\x12\n\n\x06\x46ORMED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\"X\n\x0fNodeDescription\x12\x10\n\x08node_key\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x11\n\tnode_rank\x18\x04 \x01(\r2\x9a\x02\n\nRendezvous\x12\x39\n\x04Join\x12\x17.commctx.v1.JoinRequest\x1a\x18.commctx.v1.JoinResponse\x12H\n\tKeepAlive\x12\x1c.commctx.v1.KeepAliveRequest\x1a\x1d.commctx.v1.KeepAliveResponse\x12<\n\x05Leave\x12\x18.commctx.v1.LeaveRequest\x1a\x19.commctx.v1.LeaveResponse\x12I\n\x0b\x44\x65scribeJob\x12\x1e.commctx.v1.DescribeJobRequest\x1a\x1a.commctx.v1.JobDescriptionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ommctx/v1/rendezvous.proto\x12\ncommctx.v1\"\xa9\x01\n\x07JobSpec\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.commctx.v1.ParallelLayout\x12$\n\x05roles\x18\x03 \x03(\x0b\x32\x15.commctx.v1.RoleCount\x12%\n\x06groups\x18\x04 \x03(\x0b\x32\x15.commctx.v1.GroupRule\x12\x11\n\tcpu_twins\x18\x05 \x03(\t\"p\n\x0eParallelLayout\x12\n\n\x02tp\x18\x01 \x01(\r\x12\n\n\x02\x63p\x18\x02 \x01(\r\x12\n\n\x02\x65p\x18\x03 \x01(\r\x12\n\n\x02\x64p\x18\x04 \x01(\r\x12\n\n\x02pp\x18\x05 \x01(\r\x12\r\n\x05order\x18\x06 \x01(\t\x12\x13\n\x0bwithin_node\x18\x07 \x03(\t\"(\n\tRoleCount\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xaf\x01\n\tGroupRule\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12+\n\nrole_group\x18\x02 \x01(\x0b\x32\x15.commctx.v1.RoleGroupH\x00\x12\x35\n\x0fweight_transfer\x18\x03 \x01(\x0b\x32\x1a.commctx.v1.WeightTransferH\x00\x12(\n\x05named\x18\x04 \x01(\x0b\x32\x17.commctx.v1.NamedGroupsH\x00\x42\x06\n\x04kind\"<\n\tRoleGroup\x12\r\n\x05roles\x18\x01 \x03(\t\x12 \n\x05scope\x18\x02 \x01(\x0e\x32\x11.commctx.v1.Scope\"_\n\x0eWeightTransfer\x12\x13\n\x0bsender_role\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_roles\x18\x02 \x03(\t\x12 \n\x05scope\x18\x03 \x01(\x0e\x32\x11.commctx.v1.Scope\"3\n\x0bNamedGroups\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.commctx.v1.RankList\"\x19\n\x08RankList\x12\r\n\x05ranks\x18\x01 \x03(\r\"\xed\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x10\n\x08node_key\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x17\n\nlocal_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnode_rank\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fwait_timeout_ms\x18\x08 \x01(\r\x12\x0c\n\x04role\x18\t \x01(\tB\r\n\x0b_local_rankB\x0c\n\n_node_rank\"c\n\x0cJoinResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12*\n\nassignment\x18\x03 \x01(\x0b\x32\x16.commctx.v1.Assignment\"\x93\x02\n\nAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tnode_rank\x18\x05 \x01(\r\x12\x11\n\tnum_nodes\x18\x06 \x01(\r\x12\x12\n\nlocal_rank\x18\x07 \x01(\r\x12\x18\n\x10local_world_size\x18\x08 \x01(\r\x12\x13\n\x0bmaster_addr\x18\t \x01(\t\x12\x13\n\x0bmaster_port\x18\n \x01(\r\x12\x10\n\x08\x64ist_url\x18\x0b \x01(\t\x12!\n\x06groups\x18\x0c \x03(\x0b\x32\x11.commctx.v1.Group\x12\x0c\n\x04role\x18\r \x01(\t\"v\n\x05Group\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\"\n\x05ranks\x18\x03 \x01(\x0b\x32\x13.commctx.v1.RankSet\x12\x10\n\x08\x63pu_twin\x18\x04 \x01(\x08\x12\x11\n\x04root\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_root\",\n\x07RankSet\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.commctx.v1.RankRun\"7\n\x07RankRun\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06stride\x18\x03 \x01(\r\"I\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"=\n\x11KeepAliveResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"1\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse\"$\n\x12\x44\x65scribeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xc1\x02\n\x0eJobDescription\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .commctx.v1.JobDescription.State\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12!\n\x04spec\x18\x04 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x0e\n\x06joined\x18\x05 \x01(\r\x12\x0f\n\x07missing\x18\x06 \x01(\r\x12*\n\x05nodes\x18\x07 \x03(\x0b\x32\x1b.commctx.v1.NodeDescription\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x15\n\rforming_for_s\x18\t \x01(\x01\"C\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORMING\x10\x01\x12\n\n\x06\x46ORMED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\"~\n\x0fNodeDescription\x12\x10\n\x08node_key\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x11\n\tnode_rank\x18\x04 \x01(\r\x12$\n\x05roles\x18\x05 \x03(\x0b\x32\x15.commctx.v1.RoleCount*&\n\x05Scope\x12\r\n\tSCOPE_JOB\x10\x00\x12\x0e\n\nSCOPE_NODE\x10\x01\x32\x9a\x02\n\nRendezvous\x12\x39\n\x04Join\x12\x17.commctx.v1.JoinRequest\x1a\x18.commctx.v1.JoinResponse\x12H\n\tKeepAlive\x12\x1c.commctx.v1.KeepAliveRequest\x1a\x1d.commctx.v1.KeepAliveResponse\x12<\n\x05Leave\x12\x18.commctx.v1.LeaveRequest\x1a\x19.commctx.v1.LeaveResponse\x12I\n\x0b\x44\x65scribeJob\x12\x1e.commctx.v1.DescribeJobRequest\x1a\x1a.commctx.v1.JobDescriptionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'commctx.v1.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSPEC']._serialized_start=43
-  _globals['_JOBSPEC']._serialized_end=72
-  _globals['_JOINREQUEST']._serialized_start=75
-  _globals['_JOINREQUEST']._serialized_end=298
-  _globals['_JOINRESPONSE']._serialized_start=300
-  _globals['_JOINRESPONSE']._serialized_end=399
-  _globals['_ASSIGNMENT']._serialized_start=402
-  _globals['_ASSIGNMENT']._serialized_end=663
-  _globals['_GROUP']._serialized_start=665
-  _globals['_GROUP']._serialized_end=737
-  _globals['_RANKSET']._serialized_start=739
-  _globals['_RANKSET']._serialized_end=783
-  _globals['_RANKRUN']._serialized_start=785
-  _globals['_RANKRUN']._serialized_end=840
-  _globals['_KEEPALIVEREQUEST']._serialized_start=842
-  _globals['_KEEPALIVEREQUEST']._serialized_end=915
-  _globals['_KEEPALIVERESPONSE']._serialized_start=917
-  _globals['_KEEPALIVERESPONSE']._serialized_end=978
-  _globals['_LEAVEREQUEST']._serialized_start=980
-  _globals['_LEAVEREQUEST']._serialized_end=1029
-  _globals['_LEAVERESPONSE']._serialized_start=1031
-  _globals['_LEAVERESPONSE']._serialized_end=1046
-  _globals['_DESCRIBEJOBREQUEST']._serialized_start=1048
-  _globals['_DESCRIBEJOBREQUEST']._serialized_end=1084
-  _globals['_JOBDESCRIPTION']._serialized_start=1087
-  _globals['_JOBDESCRIPTION']._serialized_end=1408
-  _globals['_JOBDESCRIPTION_STATE']._serialized_start=1341
-  _globals['_JOBDESCRIPTION_STATE']._serialized_end=1408
-  _globals['_NODEDESCRIPTION']._serialized_start=1410
-  _globals['_NODEDESCRIPTION']._serialized_end=1498
-  _globals['_RENDEZVOUS']._serialized_start=1501
-  _globals['_RENDEZVOUS']._serialized_end=1783
+  _globals['_SCOPE']._serialized_start=2326
+  _globals['_SCOPE']._serialized_end=2364
+  _globals['_JOBSPEC']._serialized_start=44
+  _globals['_JOBSPEC']._serialized_end=213
+  _globals['_PARALLELLAYOUT']._serialized_start=215
+  _globals['_PARALLELLAYOUT']._serialized_end=327
+  _globals['_ROLECOUNT']._serialized_start=329
+  _globals['_ROLECOUNT']._serialized_end=369
+  _globals['_GROUPRULE']._serialized_start=372
+  _globals['_GROUPRULE']._serialized_end=547
+  _globals['_ROLEGROUP']._serialized_start=549
+  _globals['_ROLEGROUP']._serialized_end=609
+  _globals['_WEIGHTTRANSFER']._serialized_start=611
+  _globals['_WEIGHTTRANSFER']._serialized_end=706
+  _globals['_NAMEDGROUPS']._serialized_start=708
+  _globals['_NAMEDGROUPS']._serialized_end=759
+  _globals['_RANKLIST']._serialized_start=761
+  _globals['_RANKLIST']._serialized_end=786
+  _globals['_JOINREQUEST']._serialized_start=789
+  _globals['_JOINREQUEST']._serialized_end=1026
+  _globals['_JOINRESPONSE']._serialized_start=1028
+  _globals['_JOINRESPONSE']._serialized_end=1127
+  _globals['_ASSIGNMENT']._serialized_start=1130
+  _globals['_ASSIGNMENT']._serialized_end=1405
+  _globals['_GROUP']._serialized_start=1407
+  _globals['_GROUP']._serialized_end=1525
+  _globals['_RANKSET']._serialized_start=1527
+  _globals['_RANKSET']._serialized_end=1571
+  _globals['_RANKRUN']._serialized_start=1573
+  _globals['_RANKRUN']._serialized_end=1628
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1630
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1703
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1705
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1766
+  _globals['_LEAVEREQUEST']._serialized_start=1768
+  _globals['_LEAVEREQUEST']._serialized_end=1817
+  _globals['_LEAVERESPONSE']._serialized_start=1819
+  _globals['_LEAVERESPONSE']._serialized_end=1834
+  _globals['_DESCRIBEJOBREQUEST']._serialized_start=1836
+  _globals['_DESCRIBEJOBREQUEST']._serialized_end=1872
+  _globals['_JOBDESCRIPTION']._serialized_start=1875
+  _globals['_JOBDESCRIPTION']._serialized_end=2196
+  _globals['_JOBDESCRIPTION_STATE']._serialized_start=2129
+  _globals['_JOBDESCRIPTION_STATE']._serialized_end=2196
+  _globals['_NODEDESCRIPTION']._serialized_start=2198
+  _globals['_NODEDESCRIPTION']._serialized_end=2324
+  _globals['_RENDEZVOUS']._serialized_start=2367
+  _globals['_RENDEZVOUS']._serialized_end=2649
 # @@protoc_insertion_point(module_scope)

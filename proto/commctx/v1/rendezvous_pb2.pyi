@@ -7,14 +7,97 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCOPE_JOB: _ClassVar[Scope]
+    SCOPE_NODE: _ClassVar[Scope]
+SCOPE_JOB: Scope
+SCOPE_NODE: Scope
+
 class JobSpec(_message.Message):
-    __slots__ = ("world_size",)
+    __slots__ = ("world_size", "layout", "roles", "groups", "cpu_twins")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CPU_TWINS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
-    def __init__(self, world_size: _Optional[int] = ...) -> None: ...
+    layout: ParallelLayout
+    roles: _containers.RepeatedCompositeFieldContainer[RoleCount]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupRule]
+    cpu_twins: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, world_size: _Optional[int] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRule, _Mapping]]] = ..., cpu_twins: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ParallelLayout(_message.Message):
+    __slots__ = ("tp", "cp", "ep", "dp", "pp", "order", "within_node")
+    TP_FIELD_NUMBER: _ClassVar[int]
+    CP_FIELD_NUMBER: _ClassVar[int]
+    EP_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_NODE_FIELD_NUMBER: _ClassVar[int]
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    order: str
+    within_node: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tp: _Optional[int] = ..., cp: _Optional[int] = ..., ep: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., order: _Optional[str] = ..., within_node: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RoleCount(_message.Message):
+    __slots__ = ("role", "count")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    count: int
+    def __init__(self, role: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class GroupRule(_message.Message):
+    __slots__ = ("mode", "role_group", "weight_transfer", "named")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    role_group: RoleGroup
+    weight_transfer: WeightTransfer
+    named: NamedGroups
+    def __init__(self, mode: _Optional[str] = ..., role_group: _Optional[_Union[RoleGroup, _Mapping]] = ..., weight_transfer: _Optional[_Union[WeightTransfer, _Mapping]] = ..., named: _Optional[_Union[NamedGroups, _Mapping]] = ...) -> None: ...
+
+class RoleGroup(_message.Message):
+    __slots__ = ("roles", "scope")
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    scope: Scope
+    def __init__(self, roles: _Optional[_Iterable[str]] = ..., scope: _Optional[_Union[Scope, str]] = ...) -> None: ...
+
+class WeightTransfer(_message.Message):
+    __slots__ = ("sender_role", "receiver_roles", "scope")
+    SENDER_ROLE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ROLES_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    sender_role: str
+    receiver_roles: _containers.RepeatedScalarFieldContainer[str]
+    scope: Scope
+    def __init__(self, sender_role: _Optional[str] = ..., receiver_roles: _Optional[_Iterable[str]] = ..., scope: _Optional[_Union[Scope, str]] = ...) -> None: ...
+
+class NamedGroups(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[RankList]
+    def __init__(self, groups: _Optional[_Iterable[_Union[RankList, _Mapping]]] = ...) -> None: ...
+
+class RankList(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms")
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +106,7 @@ class JoinRequest(_message.Message):
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     node_key: str
@@ -31,7 +115,8 @@ class JoinRequest(_message.Message):
     local_rank: int
     node_rank: int
     wait_timeout_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("member_id", "lease_ttl_ms", "assignment")
@@ -44,7 +129,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups")
+    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +142,7 @@ class Assignment(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     DIST_URL_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
@@ -69,17 +155,22 @@ class Assignment(_message.Message):
     master_port: int
     dist_url: str
     groups: _containers.RepeatedCompositeFieldContainer[Group]
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
+    role: str
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("mode", "index", "ranks")
+    __slots__ = ("mode", "index", "ranks", "cpu_twin", "root")
     MODE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_TWIN_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     mode: str
     index: int
     ranks: RankSet
-    def __init__(self, mode: _Optional[str] = ..., index: _Optional[int] = ..., ranks: _Optional[_Union[RankSet, _Mapping]] = ...) -> None: ...
+    cpu_twin: bool
+    root: int
+    def __init__(self, mode: _Optional[str] = ..., index: _Optional[int] = ..., ranks: _Optional[_Union[RankSet, _Mapping]] = ..., cpu_twin: _Optional[bool] = ..., root: _Optional[int] = ...) -> None: ...
 
 class RankSet(_message.Message):
     __slots__ = ("runs",)
@@ -166,13 +257,15 @@ class JobDescription(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ...) -> None: ...
 
 class NodeDescription(_message.Message):
-    __slots__ = ("node_key", "address", "workers", "node_rank")
+    __slots__ = ("node_key", "address", "workers", "node_rank", "roles")
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
     node_key: str
     address: str
     workers: int
     node_rank: int
-    def __init__(self, node_key: _Optional[str] = ..., address: _Optional[str] = ..., workers: _Optional[int] = ..., node_rank: _Optional[int] = ...) -> None: ...
+    roles: _containers.RepeatedCompositeFieldContainer[RoleCount]
+    def __init__(self, node_key: _Optional[str] = ..., address: _Optional[str] = ..., workers: _Optional[int] = ..., node_rank: _Optional[int] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ...) -> None: ...

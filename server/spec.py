@@ -1,0 +1,253 @@
+"""The job spec: world size, parallel layout, roles and group rules.
+
+`spec_from_proto` turns the wire form into an immutable, validated JobSpec.
+Malformed specs raise InvalidArgument; specs no world can satisfy (sizes whose
+product is not the world size, role counts that do not add up) raise Conflict
+(FAILED_PRECONDITION), with the numbers in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from commctx.v1 import rendezvous_pb2 as pb
+
+from .errors import Conflict, InvalidArgument
+
+MAX_WORLD_SIZE = 1 << 20
+DIMS = ("tp", "cp", "ep", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+DIM_MODES = {
+    "tp": "TENSOR_PARALLEL",
+    "cp": "SEQUENCE_PARALLEL",
+    "ep": "EXPERT",
+    "dp": "DATA_PARALLEL",
+    "pp": "PIPELINE_PARALLEL",
+}
+BUILTIN_MODES = ("GLOBAL", "INTRA_NODE", "INTER_NODE")
+_MODE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+_ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Parallel dimension sizes in `order` (fastest-varying first)."""
+
+    sizes: tuple[tuple[str, int], ...]
+    within_node: tuple[str, ...] = ()
+
+    @property
+    def order(self) -> str:
+        return "-".join(d for d, _ in self.sizes)
+
+    def size(self, dim: str) -> int:
+        return dict(self.sizes)[dim]
+
+    def __str__(self) -> str:
+        text = " ".join(f"{d}={s}" for d, s in self.sizes) + f" order={self.order}"
+        return text + (f" within_node={','.join(self.within_node)}" if self.within_node else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleGroup:
+    mode: str
+    roles: tuple[str, ...]
+    per_node: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightTransfer:
+    mode: str
+    sender: str
+    receivers: tuple[str, ...]
+    per_node: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedGroups:
+    mode: str
+    groups: tuple[tuple[int, ...], ...]
+
+
+Rule = RoleGroup | WeightTransfer | NamedGroups
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """Everything every worker of a job must agree on."""
+
+    world_size: int
+    layout: Layout | None = None
+    roles: tuple[tuple[str, int], ...] = ()
+    rules: tuple[Rule, ...] = ()
+    cpu_twins: tuple[str, ...] = ()
+
+    def role_count(self, role: str) -> int | None:
+        """The declared count of `role`, or None when roles are not declared."""
+        if not self.roles:
+            return None
+        return dict(self.roles).get(role, 0)
+
+    def modes(self) -> list[str]:
+        layout = [DIM_MODES[d] for d in DIMS] if self.layout else []
+        return [*BUILTIN_MODES, *layout, *(r.mode for r in self.rules)]
+
+    def difference(self, other: JobSpec) -> str:
+        """Names the first field in which `other` differs from this spec."""
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if mine != theirs:
+                return f"{field.name}={_show(mine)} but this worker asked for {field.name}={_show(theirs)}"
+        return "the same spec"
+
+
+def _show(value: object) -> str:
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(f"{v[0]}:{v[1]}" if isinstance(v, tuple) and len(v) == 2 else str(v) for v in value)
+    return str(value)
+
+
+def _name(kind: str, value: str, pattern: re.Pattern[str]) -> str:
+    if not pattern.fullmatch(value):
+        raise InvalidArgument(f"{kind} {value[:70]!r} is malformed: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit")
+    return value
+
+
+def _layout(world_size: int, p: pb.ParallelLayout) -> Layout:
+    tokens = [t for t in (p.order or DEFAULT_ORDER).split("-")]
+    for t in tokens:
+        if t not in DIMS:
+            raise InvalidArgument(f"layout.order {p.order!r}: {t!r} is not one of {', '.join(DIMS)}")
+    if len(set(tokens)) != len(tokens):
+        raise InvalidArgument(f"layout.order {p.order!r} names a dimension twice")
+    given = {d: getattr(p, d) for d in DIMS}
+    sizes = {d: given[d] or 1 for d in DIMS}
+    others = math.prod(sizes[d] for d in DIMS if d != "dp")
+    if not given["dp"]:
+        if world_size % others:
+            raise Conflict(
+                f"world_size {world_size} is not divisible by tp×cp×ep×pp = "
+                f"{sizes['tp']}×{sizes['cp']}×{sizes['ep']}×{sizes['pp']} = {others}"
+            )
+        sizes["dp"] = world_size // others
+    product = math.prod(sizes.values())
+    if product != world_size:
+        raise Conflict(
+            f"tp×cp×ep×dp×pp = {'×'.join(str(sizes[d]) for d in DIMS)} = {product} but world_size is {world_size}"
+        )
+    for d in DIMS:
+        if d not in tokens:
+            if sizes[d] != 1:
+                raise InvalidArgument(f"layout.order {p.order!r} leaves out {d}, whose size is {sizes[d]}")
+            tokens.append(d)
+    within = tuple(sorted(set(p.within_node)))
+    for d in within:
+        if d not in DIMS:
+            raise InvalidArgument(f"layout.within_node {d!r} is not one of {', '.join(DIMS)}")
+    return Layout(tuple((d, sizes[d]) for d in tokens), within)
+
+
+def _roles(world_size: int, counts) -> tuple[tuple[str, int], ...]:
+    roles = []
+    for rc in counts:
+        _name("role", rc.role, _ROLE)
+        if rc.count < 1:
+            raise InvalidArgument(f"role {rc.role!r} has count {rc.count}; give 1 or more")
+        roles.append((rc.role, rc.count))
+    names = [r for r, _ in roles]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"roles name a role twice: {', '.join(names)}")
+    total = sum(c for _, c in roles)
+    if roles and total != world_size:
+        parts = " + ".join(f"{r} {c}" for r, c in roles)
+        raise Conflict(f"role counts add up to {total} ({parts}) but world_size is {world_size}")
+    return tuple(roles)
+
+
+def _rule(world_size: int, r: pb.GroupRule, declared: set[str]) -> Rule:
+    mode = _name("groups.mode", r.mode, _MODE)
+    kind = r.WhichOneof("kind")
+
+    def known(role: str) -> str:
+        _name("role", role, _ROLE)
+        if declared and role not in declared:
+            raise InvalidArgument(f"group {mode!r} names role {role!r}, which spec.roles does not declare")
+        return role
+
+    if kind == "role_group":
+        if not r.role_group.roles:
+            raise InvalidArgument(f"group {mode!r} lists no roles")
+        return RoleGroup(mode, tuple(known(x) for x in r.role_group.roles), r.role_group.scope == pb.SCOPE_NODE)
+    if kind == "weight_transfer":
+        wt = r.weight_transfer
+        if not wt.receiver_roles:
+            raise InvalidArgument(f"group {mode!r} lists no receiver roles")
+        return WeightTransfer(mode, known(wt.sender_role), tuple(known(x) for x in wt.receiver_roles), wt.scope == pb.SCOPE_NODE)
+    if kind == "named":
+        groups, seen = [], set()
+        for g in r.named.groups:
+            ranks = tuple(sorted(g.ranks))
+            if not ranks:
+                raise InvalidArgument(f"group {mode!r} has an empty rank list")
+            if ranks[-1] >= world_size:
+                raise InvalidArgument(f"group {mode!r} names rank {ranks[-1]}, not below world_size {world_size}")
+            if len(set(ranks)) != len(ranks):
+                raise InvalidArgument(f"group {mode!r} lists a rank twice in {list(ranks)}")
+            overlap = seen.intersection(ranks)
+            if overlap:
+                raise InvalidArgument(f"group {mode!r} puts rank {min(overlap)} in two groups; a worker is in one group per mode")
+            seen.update(ranks)
+            groups.append(ranks)
+        if not groups:
+            raise InvalidArgument(f"group {mode!r} has no rank lists")
+        return NamedGroups(mode, tuple(groups))
+    raise InvalidArgument(f"group {mode!r} has no kind: give role_group, weight_transfer or named")
+
+
+def spec_from_proto(p: pb.JobSpec) -> JobSpec:
+    """Validates a wire JobSpec.
+
+    Raises:
+        InvalidArgument: a malformed field, named.
+        Conflict: sizes or counts no world of this size can satisfy.
+    """
+    world_size = p.world_size
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"spec.world_size {world_size} is out of range 1..{MAX_WORLD_SIZE}")
+    if not (p.HasField("layout") or p.roles or p.groups or p.cpu_twins):
+        return JobSpec(world_size)  # the common case, kept cheap
+    layout = _layout(world_size, p.layout) if p.HasField("layout") else None
+    roles = _roles(world_size, p.roles)
+    declared = {r for r, _ in roles}
+    rules = tuple(_rule(world_size, r, declared) for r in p.groups)
+    spec = JobSpec(world_size, layout, roles, rules)
+    modes = spec.modes()
+    duplicated = sorted({m for m in modes if modes.count(m) > 1})
+    if duplicated:
+        raise InvalidArgument(f"group mode {duplicated[0]!r} is defined twice (or is a built-in or layout mode)")
+    for m in p.cpu_twins:
+        if m not in modes:
+            raise InvalidArgument(f"cpu_twins names mode {m!r}, which this spec does not define")
+    return dataclasses.replace(spec, cpu_twins=tuple(dict.fromkeys(p.cpu_twins)))
+
+
+def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
+    """The wire form of a spec (for describing jobs)."""
+    out = pb.JobSpec(world_size=spec.world_size, cpu_twins=spec.cpu_twins)
+    if spec.layout is not None:
+        out.layout.CopyFrom(pb.ParallelLayout(order=spec.layout.order, within_node=spec.layout.within_node, **dict(spec.layout.sizes)))
+    out.roles.extend(pb.RoleCount(role=r, count=c) for r, c in spec.roles)
+    for rule in spec.rules:
+        g = out.groups.add(mode=rule.mode)
+        scope = pb.SCOPE_NODE if getattr(rule, "per_node", False) else pb.SCOPE_JOB
+        if isinstance(rule, RoleGroup):
+            g.role_group.CopyFrom(pb.RoleGroup(roles=rule.roles, scope=scope))
+        elif isinstance(rule, WeightTransfer):
+            g.weight_transfer.CopyFrom(pb.WeightTransfer(sender_role=rule.sender, receiver_roles=rule.receivers, scope=scope))
+        else:
+            g.named.CopyFrom(pb.NamedGroups(groups=[pb.RankList(ranks=r) for r in rule.groups]))
+    return out
