@@ -211,3 +211,15 @@ def test_unreachable_server_is_a_typed_error():
         port = s.getsockname()[1]  # nothing listens here
     with pytest.raises(ServerUnavailable, match="no answer from rendezvous server"):
         CommContext.join(f"127.0.0.1:{port}", job_id="x", world_size=1, timeout=0.2)
+
+
+def test_job_spec_from_a_dict():
+    from commctx.context import job_spec_of
+
+    s = job_spec_of({"layout": {"tp": 2, "within_node": ["tp"]}, "roles": [{"role": "a", "count": 4}]}, 4)
+    assert (s.world_size, s.layout.tp, list(s.layout.within_node), s.roles[0].role) == (4, 2, ["tp"], "a")
+    assert job_spec_of(None, 3) == pb.JobSpec(world_size=3)
+    with pytest.raises(ValueError, match="spec.world_size 8 disagrees with world_size 4"):
+        job_spec_of({"world_size": 8}, 4)
+    with pytest.raises(ValueError, match="spec is not a JobSpec"):
+        job_spec_of({"layout": {"tq": 2}}, 4)
