@@ -1,5 +1,6 @@
 """Wiring: the grpc.aio server with the rendezvous, health and reflection
-services, the lease reaper, and an orderly stop."""
+services, an optional health-only port, the metrics endpoint, the lease
+reaper, and an orderly stop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -18,6 +20,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .servicer import RendezvousServicer
 from .state import Rendezvous
+from .telemetry import Telemetry
 
 log = logging.getLogger("commctx.server")
 
@@ -31,60 +34,49 @@ def host_port(host: str, port: int) -> str:
 class RendezvousServer:
     """A running server. Create with `start_server`; stop with `stop` (idempotent)."""
 
-    def __init__(
-        self,
-        server: grpc.aio.Server,
-        port: int,
-        rendezvous: Rendezvous,
-        servicer: RendezvousServicer,
-        health_servicer: health.aio.HealthServicer,
-        reaper: asyncio.Task,
-    ) -> None:
-        self.port = port
-        self.rendezvous = rendezvous
-        self._server = server
-        self._servicer = servicer
-        self._health = health_servicer
-        self._reaper = reaper
+    def __init__(self) -> None:
+        self.port = 0
+        self.health_port: int | None = None
+        self.metrics_port: int | None = None
+        self.rendezvous: Rendezvous
+        self.telemetry: Telemetry
+        self._servers: list[grpc.aio.Server] = []
+        self._servicer: RendezvousServicer | None = None
+        self._health = health.aio.HealthServicer()
+        self._reaper: asyncio.Task | None = None
+        self._metrics: tuple | None = None
         self._stopped = False
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
-        """Drains: health NOT_SERVING, refuse new joins, finish in-flight calls
-        within `grace_s`, then stop the reaper."""
+        """Drains: health NOT_SERVING (watchers see it), new joins refused with
+        UNAVAILABLE, in-flight calls finish within `grace_s`; then the reaper and
+        the metrics endpoint stop. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
-        self._servicer.draining = True
+        if self._servicer is not None:
+            self._servicer.draining = True
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace_s)
-        self._reaper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reaper
-
-    async def wait_for_termination(self) -> None:
-        await self._server.wait_for_termination()
+        await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if self._metrics is not None:
+            httpd, thread = self._metrics
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(5)
 
 
 async def _reap(rendezvous: Rendezvous, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        for job_id, member_id in rendezvous.expire():
-            log.info("lease expired job=%s member=%s", job_id, member_id)
+        rendezvous.expire()  # each expiry is logged and counted through the events
 
 
-async def start_server(
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    lease_ttl_s: float = 10.0,
-    clock: Callable[[], float] = time.monotonic,
-) -> RendezvousServer:
-    """Starts a rendezvous server on host:port (port 0: any free port).
-
-    Raises:
-        RuntimeError: the address could not be bound.
-    """
-    server = grpc.aio.server(
+def _grpc_server() -> grpc.aio.Server:
+    return grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
             # Clients ping every 30 s while a Join waits; allow it.
@@ -94,20 +86,59 @@ async def start_server(
             ("grpc.server.max_pending_requests_hard_limit", 1 << 18),
         ]
     )
-    rendezvous = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock)
-    servicer = RendezvousServicer(rendezvous)
-    pb_grpc.add_RendezvousServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
     try:
-        bound = server.add_insecure_port(host_port(host, port))
+        return server.add_insecure_port(host_port(host, port))
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {host_port(host, port)}: {exc}") from exc
-    await server.start()
+
+
+async def start_server(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    lease_ttl_s: float = 10.0,
+    health_port: int | None = None,
+    metrics_port: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> RendezvousServer:
+    """Starts a rendezvous server on host:port (port 0: any free port).
+
+    Args:
+        health_port: also serve grpc.health.v1 alone on this port (0: any free
+            port; None: not at all).
+        metrics_port: serve Prometheus metrics over HTTP on this port (0: any
+            free port; None: not at all).
+
+    Raises:
+        RuntimeError: an address could not be bound.
+    """
+    out = RendezvousServer()
+    registry = prometheus_client.CollectorRegistry()
+    out.telemetry = Telemetry(registry, lambda: out.rendezvous.stats())
+    out.rendezvous = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, events=out.telemetry)
+    out._servicer = RendezvousServicer(out.rendezvous, out.telemetry)
+
+    server = _grpc_server()
+    pb_grpc.add_RendezvousServicer_to_server(out._servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    out.port = _listen(server, host, port)
+    out._servers.append(server)
+    if health_port is not None:
+        probe = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(out._health, probe)
+        out.health_port = _listen(probe, host, health_port)
+        out._servers.append(probe)
+    for s in out._servers:
+        await s.start()
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reaper = asyncio.create_task(_reap(rendezvous, max(lease_ttl_s / 4, 0.05)), name="lease-reaper")
-    return RendezvousServer(server, bound, rendezvous, servicer, health_servicer, reaper)
+        await out._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if metrics_port is not None:
+        httpd, thread = prometheus_client.start_http_server(metrics_port, addr=host, registry=registry)
+        out._metrics = (httpd, thread)
+        out.metrics_port = httpd.server_port
+    out._reaper = asyncio.create_task(_reap(out.rendezvous, max(lease_ttl_s / 4, 0.05)), name="lease-reaper")
+    return out

@@ -1,6 +1,8 @@
 """`commctx`: command-line tools around the rendezvous server.
 
-    commctx plan   print every rank and group of a described world (dry run)
+    commctx plan     print every rank and group of a described world (dry run)
+    commctx health   ask a server's grpc.health.v1 service (exit 0 when SERVING)
+    commctx status   jobs, members per node, who is missing and why
 
 `plan` runs the server's own planning code on a world you describe, so what it
 prints is what the server would assign.
@@ -11,13 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 
+import grpc
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .assignment import MemberSpec, WorldPlan, plan_world
+from .config import health_address
 from .errors import RendezvousError
 from .groups import PlanError, expand
 from .spec import spec_from_proto
@@ -140,12 +147,117 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_health_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("health", help="ask a server's gRPC health service; exit 0 when SERVING",
+                       description="Calls grpc.health.v1.Health/Check. Exit status 0: SERVING; 1: anything else or no answer.")
+    p.add_argument("--addr", default=None, help="host:port (default 127.0.0.1 and COMMCTX_PORT, else 50051)")
+    p.add_argument("--service", default="", help='service name ("" = the whole server; or commctx.v1.Rendezvous)')
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    p.set_defaults(run=run_health)
+
+
+def run_health(args: argparse.Namespace) -> int:
+    addr = args.addr or health_address()
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"{addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{addr}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def add_status_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="jobs, members per node, who is missing and why",
+                       description="Describes the jobs a rendezvous server holds (or one of them).")
+    p.add_argument("--addr", default=None, help="host:port (default 127.0.0.1 and COMMCTX_PORT, else 50051)")
+    p.add_argument("--job", help="describe this job in detail")
+    p.add_argument("--watch", action="store_true", help="repeat every --interval seconds until interrupted")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(run=run_status)
+
+
+_STATE = {pb.JobDescription.FORMING: "forming", pb.JobDescription.FORMED: "formed", pb.JobDescription.FAILED: "failed"}
+
+
+def _roles(n: pb.NodeDescription) -> str:
+    return ",".join(f"{r.role or '-'}:{r.count}" for r in n.roles)
+
+
+def job_table(jobs: Sequence[pb.JobDescription]) -> str:
+    rows = [("JOB", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "REASON")]
+    for d in jobs:
+        rows.append((d.job_id, _STATE.get(d.state, "?"), str(d.generation), f"{d.joined}/{d.spec.world_size}",
+                     str(d.missing), str(len(d.nodes)), f"{d.forming_for_s:.0f}s", d.reason))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    if len(rows) == 1:
+        return "no jobs"
+    return "\n".join(("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in rows)
+
+
+def job_detail(d: pb.JobDescription) -> str:
+    lines = [
+        f"job {d.job_id}: {_STATE.get(d.state, '?')}, generation {d.generation}, "
+        f"{d.joined} of {d.spec.world_size} workers joined, {d.missing} missing, "
+        f"{'forming' if d.state == pb.JobDescription.FORMING else 'since first join'} for {d.forming_for_s:.1f} s",
+    ]
+    if d.reason:
+        lines.append(f"why: {d.reason}")
+    if d.missing_nodes:
+        lines.append(f"node keys that have not shown up: {', '.join(d.missing_nodes)}")
+    formed = d.state == pb.JobDescription.FORMED
+    rows = [("NODE_RANK" if formed else "", "NODE_KEY", "ADDRESS", "WORKERS", "ROLES")]
+    rows += [(str(n.node_rank) if formed else "", n.node_key, n.address, str(n.workers), _roles(n)) for n in d.nodes]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).strip() for r in rows]
+    return "\n".join(lines)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    addr = args.addr or health_address()
+    with grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.RendezvousStub(channel)
+        while True:
+            try:
+                if args.job:
+                    d = stub.DescribeJob(pb.DescribeJobRequest(job_id=args.job), timeout=5)
+                    text = json_format.MessageToJson(d) if args.json else job_detail(d)
+                else:
+                    jobs = stub.ListJobs(pb.ListJobsRequest(), timeout=5).jobs
+                    text = json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2) if args.json else job_table(jobs)
+            except grpc.RpcError as exc:
+                print(f"{addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                if not args.watch:
+                    return 1
+                text = None
+            if text is not None:
+                if args.watch and sys.stdout.isatty():
+                    print("\x1b[H\x1b[2J", end="")
+                if args.watch:
+                    print(time.strftime("%H:%M:%S"), addr)
+                print(text, flush=True)
+            if not args.watch:
+                return 0
+            try:
+                time.sleep(args.interval)  # a display refresh, not a wait for a condition
+            except KeyboardInterrupt:
+                return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commctx", description="commctx command-line tools")
     sub = parser.add_subparsers(required=True, metavar="command")
     add_plan_parser(sub)
+    add_health_parser(sub)
+    add_status_parser(sub)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

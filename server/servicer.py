@@ -32,6 +32,7 @@ from .errors import (
 )
 from .spec import JobSpec, spec_from_proto, spec_to_proto
 from .state import Assignment, JobState, JobView, JoinParams, Rendezvous
+from .telemetry import Events
 
 log = logging.getLogger("commctx.server")
 
@@ -173,13 +174,14 @@ def description_proto(v: JobView) -> pb.JobDescription:
         ],
         reason=v.reason,
         forming_for_s=v.forming_for_s,
+        missing_nodes=v.missing_nodes,
     )
 
 
 ERROR_KEY = "commctx-error"  # trailing metadata naming the domain error class
 
 
-def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     if isinstance(exc, RendezvousError):
         return STATUS_OF[type(exc)], str(exc), ((ERROR_KEY, type(exc).__name__),)
     log.error("internal error", exc_info=exc)
@@ -189,16 +191,22 @@ def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, s
 class RendezvousServicer(pb_grpc.RendezvousServicer):
     """Serves commctx.v1.Rendezvous over a `Rendezvous` domain object."""
 
-    def __init__(self, rendezvous: Rendezvous) -> None:
+    def __init__(self, rendezvous: Rendezvous, events: Events | None = None) -> None:
         self._rdzv = rendezvous
+        self._events = events or Events()
         self.draining = False
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+    async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+        code, details, metadata = _status_of(exc)
+        self._events.rpc_error(method, code.name)
+        await context.abort(code, details, metadata)
+
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
         except Exception as exc:  # every failure leaves through the status table
-            failure = _status_of(exc)
-        await context.abort(*failure)
+            error = exc
+        await self._abort(context, method, error)
         raise AssertionError("unreachable: abort raises")
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
@@ -209,11 +217,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             params = join_params(request)
             joined = self._rdzv.join(params)
         except Exception as exc:
-            failure = _status_of(exc)
+            error: Exception | None = exc
         else:
-            failure = None
-        if failure is not None:
-            await context.abort(*failure)
+            error = None
+        if error is not None:
+            await self._abort(context, "Join", error)
         timeout = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else None
         remaining = context.time_remaining()
         if remaining is not None:
@@ -224,10 +232,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             assignment = await self._rdzv.wait_assignment(params.job_id, joined.member_id, timeout)
             return join_response(joined.member_id, joined.lease_ttl_s, assignment)
         except Exception as exc:
-            failure = _status_of(exc)
+            error = exc
         finally:  # a no-op once assigned; before that, a caller that went away is withdrawn
             self._rdzv.withdraw(params.job_id, joined.member_id)
-        await context.abort(*failure)
+        await self._abort(context, "Join", error)
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         def renew():
@@ -236,15 +244,20 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             )
             return pb.KeepAliveResponse(lease_ttl_ms=round(ttl * 1000), generation=generation)
 
-        return await self._call(context, renew)
+        return await self._call(context, "KeepAlive", renew)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         def leave():
             self._rdzv.leave(job_id_of(request.job_id), member_id_of(request.member_id))
-            log.info("leave job=%s member=%s", request.job_id, request.member_id)
             return pb.LeaveResponse()
 
-        return await self._call(context, leave)
+        return await self._call(context, "Leave", leave)
 
     async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription:
-        return await self._call(context, lambda: description_proto(self._rdzv.describe(job_id_of(request.job_id))))
+        return await self._call(context, "DescribeJob", lambda: description_proto(self._rdzv.describe(job_id_of(request.job_id))))
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        def jobs():
+            return pb.ListJobsResponse(jobs=[description_proto(self._rdzv.describe(j)) for j in self._rdzv.job_ids()])
+
+        return await self._call(context, "ListJobs", jobs)

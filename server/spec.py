@@ -29,6 +29,7 @@ DIM_MODES = {
 BUILTIN_MODES = ("GLOBAL", "INTRA_NODE", "INTER_NODE")
 _MODE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 _ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,7 @@ class JobSpec:
     roles: tuple[tuple[str, int], ...] = ()
     rules: tuple[Rule, ...] = ()
     cpu_twins: tuple[str, ...] = ()
+    expected_nodes: tuple[str, ...] = ()  # informational, for describing who is missing
 
     def role_count(self, role: str) -> int | None:
         """The declared count of `role`, or None when roles are not declared."""
@@ -218,8 +220,11 @@ def spec_from_proto(p: pb.JobSpec) -> JobSpec:
     world_size = p.world_size
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise InvalidArgument(f"spec.world_size {world_size} is out of range 1..{MAX_WORLD_SIZE}")
-    if not (p.HasField("layout") or p.roles or p.groups or p.cpu_twins):
+    if not (p.HasField("layout") or p.roles or p.groups or p.cpu_twins or p.expected_nodes):
         return JobSpec(world_size)  # the common case, kept cheap
+    for key in p.expected_nodes:
+        if not _NODE_KEY.fullmatch(key):
+            raise InvalidArgument(f"expected_nodes entry {key[:70]!r} is not a valid node key")
     layout = _layout(world_size, p.layout) if p.HasField("layout") else None
     roles = _roles(world_size, p.roles)
     declared = {r for r, _ in roles}
@@ -232,12 +237,12 @@ def spec_from_proto(p: pb.JobSpec) -> JobSpec:
     for m in p.cpu_twins:
         if m not in modes:
             raise InvalidArgument(f"cpu_twins names mode {m!r}, which this spec does not define")
-    return dataclasses.replace(spec, cpu_twins=tuple(dict.fromkeys(p.cpu_twins)))
+    return dataclasses.replace(spec, cpu_twins=tuple(dict.fromkeys(p.cpu_twins)), expected_nodes=tuple(dict.fromkeys(p.expected_nodes)))
 
 
 def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
     """The wire form of a spec (for describing jobs)."""
-    out = pb.JobSpec(world_size=spec.world_size, cpu_twins=spec.cpu_twins)
+    out = pb.JobSpec(world_size=spec.world_size, cpu_twins=spec.cpu_twins, expected_nodes=spec.expected_nodes)
     if spec.layout is not None:
         out.layout.CopyFrom(pb.ParallelLayout(order=spec.layout.order, within_node=spec.layout.within_node, **dict(spec.layout.sizes)))
     out.roles.extend(pb.RoleCount(role=r, count=c) for r, c in spec.roles)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import logging
 import math
 import os
 import time
@@ -30,8 +29,7 @@ from typing import NamedTuple
 from .assignment import MemberSpec, PlanError, Placement, WorldPlan, node_sort_key, plan_world
 from .errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration, WaitTimeout
 from .spec import JobSpec
-
-log = logging.getLogger("commctx.server")
+from .telemetry import Events
 
 
 class JoinParams(NamedTuple):
@@ -92,6 +90,7 @@ class JobView:
     nodes: tuple[NodeView, ...]
     reason: str
     forming_for_s: float
+    missing_nodes: tuple[str, ...] = ()  # expected node keys not present
 
 
 class _Member:
@@ -202,8 +201,10 @@ class Rendezvous:
         lease_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         new_member_id: Callable[[], str] | None = None,
+        events: Events | None = None,
     ) -> None:
         self.lease_ttl_s = lease_ttl_s
+        self._events = events or Events()
         self._clock = clock
         self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
         self._jobs: dict[str, _Job] = {}
@@ -254,6 +255,7 @@ class Rendezvous:
         node.workers += 1
         job.role_counts[p.role] = job.role_counts.get(p.role, 0) + 1
         job.members[member_id] = _Member(node, p)
+        self._events.joined(job.job_id, member_id, node.key, p.role, len(job.members), job.spec.world_size)
         if len(job.members) == job.spec.world_size:
             self._form(job)
         return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members))
@@ -306,19 +308,16 @@ class Rendezvous:
         except PlanError as exc:
             job.state = JobState.FAILED
             job.reason = str(exc)
-            log.warning("job failed job=%s reason=%s", job.job_id, job.reason)
+            self._events.failed(job.job_id, job.reason)
         else:
             job.state = JobState.FORMED
             job.generation += 1
             job.plan = plan
             job.reason = ""
-            deadline = self._clock() + self.lease_ttl_s
+            now = self._clock()
             for member in job.members.values():
-                member.lease_deadline = deadline
-            log.info(
-                "job formed job=%s generation=%d world_size=%d nodes=%d",
-                job.job_id, job.generation, plan.world_size, plan.num_nodes,
-            )
+                member.lease_deadline = now + self.lease_ttl_s
+            self._events.formed(job.job_id, job.generation, plan.world_size, plan.num_nodes, now - job.forming_since)
         job.notify()
 
     async def wait_assignment(self, job_id: str, member_id: str, timeout_s: float | None) -> Assignment:
@@ -356,7 +355,7 @@ class Rendezvous:
             return
         if job.state is JobState.FORMED and job.plan is not None and member_id in job.plan.ranks:
             return
-        self._remove(job, member_id, wake=False)
+        self._remove(job, member_id, "withdrawn", wake=False)
 
     # -- leases and leaving ----------------------------------------------------
 
@@ -388,7 +387,7 @@ class Rendezvous:
         """
         job = self._job(job_id)
         self._member(job, member_id)
-        self._remove(job, member_id)
+        self._remove(job, member_id, "left")
 
     def expire(self) -> list[tuple[str, str]]:
         """Removes every member whose lease has run out; returns (job, member) pairs.
@@ -403,13 +402,14 @@ class Rendezvous:
             if m.lease_deadline < now
         ]
         for job, mid in expired:
-            self._remove(job, mid)
+            self._remove(job, mid, "expired")
         for job_id in [j for j, (_, until) in self._failed.items() if until < now]:
             del self._failed[job_id]
         return [(job.job_id, mid) for job, mid in expired]
 
-    def _remove(self, job: _Job, member_id: str, *, wake: bool = True) -> None:
+    def _remove(self, job: _Job, member_id: str, why: str, *, wake: bool = True) -> None:
         member = job.members.pop(member_id)
+        self._events.removed(job.job_id, member_id, why)
         node = job.nodes[member.node_key]
         node.workers -= 1
         job.role_counts[member.role] -= 1
@@ -461,10 +461,26 @@ class Rendezvous:
             nodes=nodes,
             reason=reason,
             forming_for_s=self._clock() - job.forming_since,
+            missing_nodes=tuple(k for k in job.spec.expected_nodes if k not in job.nodes),
         )
 
     def job_ids(self) -> list[str]:
-        return list(self._jobs)
+        """Jobs held, and failed jobs still described, sorted."""
+        return sorted({*self._jobs, *self._failed})
+
+    def stats(self) -> dict[str, float]:
+        """Counts for metrics: jobs, members, waiting members, oldest keep-alive age."""
+        now = self._clock()
+        members = waiting = 0
+        oldest = math.inf
+        for job in self._jobs.values():
+            members += len(job.members)
+            if job.state is not JobState.FORMED:
+                waiting += len(job.members)
+                continue
+            oldest = min(oldest, min((m.lease_deadline for m in job.members.values()), default=math.inf))
+        age = 0.0 if oldest == math.inf else max(0.0, now - (oldest - self.lease_ttl_s))
+        return {"jobs": len(self._jobs), "members": members, "waiting": waiting, "oldest_keepalive_s": age}
 
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)

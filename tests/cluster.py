@@ -31,12 +31,12 @@ def clean_env() -> dict[str, str]:
 class Proc:
     """A child process whose stdout lines are read by a thread into a queue."""
 
-    def __init__(self, argv: Sequence[str], name: str) -> None:
+    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.stderr = tempfile.NamedTemporaryFile(prefix=f"commctx-{name}-", suffix=".log", delete=False)
         self.popen = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-            text=True, env=clean_env(), start_new_session=True,
+            text=True, env={**clean_env(), **(env or {})}, start_new_session=True,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -86,13 +86,20 @@ class Proc:
 
 
 class Server(Proc):
-    def __init__(self, host: str, *args: str) -> None:
-        super().__init__([sys.executable, "-m", "commctx.server", "--host", host, "--port", "0", *args], "server")
+    """`commctx-server` on a free port; with health/metrics, on free ports too."""
+
+    def __init__(self, host: str, *args: str, health: bool = False, metrics: bool = False,
+                 env: dict[str, str] | None = None, argv: Sequence[str] | None = None) -> None:
+        extra = (["--health-port", "0"] if health else []) + (["--metrics-port", "0"] if metrics else [])
+        argv = argv or [sys.executable, "-m", "commctx.server", "--host", host, "--port", "0", *extra, *args]
+        super().__init__(argv, "server", env)
         first = self.line(30)
         if "listening on" not in first:
             raise AssertionError(f"server did not start: {first!r}\n{self.log()}")
         self.port = int(first.rsplit(":", 1)[1])
         self.address = f"{host}:{self.port}"
+        self.health_address = self.line(10).rsplit(" ", 1)[1].strip() if health else None
+        self.metrics_url = self.line(10).rsplit(" ", 1)[1].strip() if metrics else None
 
 
 def worker(server: str, job: str, world_size: int, *, node_key: str | None = None, netns: str | None = None,

@@ -37,4 +37,4 @@ def test_console_script_serves_health_and_drains_on_sigterm():
 def test_invalid_flags_fail_at_start_with_a_message():
     out = subprocess.run([sys.executable, "-m", "commctx.server", "--port", "70000"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert "--port 70000 is out of range" in out.stderr
+    assert "--port=70000: out of range 0..65535" in out.stderr

@@ -15,18 +15,20 @@ SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "layout", "roles", "groups", "cpu_twins")
+    __slots__ = ("world_size", "layout", "roles", "groups", "cpu_twins", "expected_nodes")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     CPU_TWINS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_NODES_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     layout: ParallelLayout
     roles: _containers.RepeatedCompositeFieldContainer[RoleCount]
     groups: _containers.RepeatedCompositeFieldContainer[GroupRule]
     cpu_twins: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, world_size: _Optional[int] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRule, _Mapping]]] = ..., cpu_twins: _Optional[_Iterable[str]] = ...) -> None: ...
+    expected_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, world_size: _Optional[int] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRule, _Mapping]]] = ..., cpu_twins: _Optional[_Iterable[str]] = ..., expected_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ParallelLayout(_message.Message):
     __slots__ = ("tp", "cp", "ep", "dp", "pp", "order", "within_node")
@@ -225,7 +227,7 @@ class DescribeJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobDescription(_message.Message):
-    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s")
+    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[JobDescription.State]
@@ -245,6 +247,7 @@ class JobDescription(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FORMING_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    MISSING_NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobDescription.State
     generation: int
@@ -254,7 +257,18 @@ class JobDescription(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeDescription]
     reason: str
     forming_for_s: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ...) -> None: ...
+    missing_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobDescription]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobDescription, _Mapping]]] = ...) -> None: ...
 
 class NodeDescription(_message.Message):
     __slots__ = ("node_key", "address", "workers", "node_rank", "roles")

@@ -54,6 +54,11 @@ class RendezvousStub:
                 request_serializer=commctx_dot_v1_dot_rendezvous__pb2.DescribeJobRequest.SerializeToString,
                 response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.JobDescription.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/commctx.v1.Rendezvous/ListJobs',
+                request_serializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -91,6 +96,13 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobs(self, request, context):
+        """Every job the server holds (and recently failed ones), described.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +125,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.DescribeJob,
                     request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.DescribeJobRequest.FromString,
                     response_serializer=commctx_dot_v1_dot_rendezvous__pb2.JobDescription.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsRequest.FromString,
+                    response_serializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +240,33 @@ class Rendezvous:
             '/commctx.v1.Rendezvous/DescribeJob',
             commctx_dot_v1_dot_rendezvous__pb2.DescribeJobRequest.SerializeToString,
             commctx_dot_v1_dot_rendezvous__pb2.JobDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/commctx.v1.Rendezvous/ListJobs',
+            commctx_dot_v1_dot_rendezvous__pb2.ListJobsRequest.SerializeToString,
+            commctx_dot_v1_dot_rendezvous__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

