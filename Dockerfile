@@ -12,9 +12,11 @@ COPY client ./client
 
 FROM source AS server
 RUN pip install --no-cache-dir /src \
-    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin commctx
+    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin commctx \
+    && install -d -o 10001 -g 10001 /var/lib/commctx
 USER 10001
-ENV COMMCTX_HOST=0.0.0.0 COMMCTX_PORT=50051
+ENV COMMCTX_HOST=0.0.0.0 COMMCTX_PORT=50051 COMMCTX_STATE_DIR=/var/lib/commctx
+VOLUME ["/var/lib/commctx"]
 EXPOSE 50051 9464
 HEALTHCHECK --interval=5s --timeout=3s --start-period=5s --retries=3 CMD ["commctx", "health"]
 CMD ["commctx-server"]

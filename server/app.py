@@ -20,7 +20,8 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .servicer import RendezvousServicer
 from .state import Rendezvous
-from .telemetry import Telemetry
+from .store import Store
+from .telemetry import Telemetry, event
 
 log = logging.getLogger("commctx.server")
 
@@ -45,6 +46,7 @@ class RendezvousServer:
         self._health = health.aio.HealthServicer()
         self._reaper: asyncio.Task | None = None
         self._metrics: tuple | None = None
+        self._store: Store | None = None
         self._stopped = False
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
@@ -67,12 +69,24 @@ class RendezvousServer:
             httpd.shutdown()
             httpd.server_close()
             thread.join(5)
+        if self._store is not None:
+            self._store.close()
 
 
-async def _reap(rendezvous: Rendezvous, interval_s: float) -> None:
+async def _reap(rendezvous: Rendezvous, expire_every_s: float) -> None:
+    """Expires leases and forms elastic worlds whose last call has passed.
+
+    One task for every job: 20 ticks a second check the last calls; leases are
+    scanned every `expire_every_s` (at most a quarter of the TTL).
+    """
+    loop = asyncio.get_running_loop()
+    next_expiry = loop.time()
     while True:
-        await asyncio.sleep(interval_s)
-        rendezvous.expire()  # each expiry is logged and counted through the events
+        await asyncio.sleep(0.05)
+        rendezvous.tick()
+        if loop.time() >= next_expiry:
+            rendezvous.expire()  # each expiry is logged and counted through the events
+            next_expiry = loop.time() + expire_every_s
 
 
 def _grpc_server() -> grpc.aio.Server:
@@ -102,11 +116,14 @@ async def start_server(
     lease_ttl_s: float = 10.0,
     health_port: int | None = None,
     metrics_port: int | None = None,
+    store: Store | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> RendezvousServer:
     """Starts a rendezvous server on host:port (port 0: any free port).
 
     Args:
+        store: where state is kept (default: memory only). Jobs it holds are
+            restored first, every lease with one more TTL of grace.
         health_port: also serve grpc.health.v1 alone on this port (0: any free
             port; None: not at all).
         metrics_port: serve Prometheus metrics over HTTP on this port (0: any
@@ -118,7 +135,12 @@ async def start_server(
     out = RendezvousServer()
     registry = prometheus_client.CollectorRegistry()
     out.telemetry = Telemetry(registry, lambda: out.rendezvous.stats())
-    out.rendezvous = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, events=out.telemetry)
+    out.rendezvous = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, events=out.telemetry, store=store)
+    out._store = store
+    if store is not None:
+        restored = out.rendezvous.restore(grace_s=lease_ttl_s)
+        if restored:
+            event("restored", jobs=restored, grace_s=lease_ttl_s)
     out._servicer = RendezvousServicer(out.rendezvous, out.telemetry)
 
     server = _grpc_server()
@@ -140,5 +162,5 @@ async def start_server(
         httpd, thread = prometheus_client.start_http_server(metrics_port, addr=host, registry=registry)
         out._metrics = (httpd, thread)
         out.metrics_port = httpd.server_port
-    out._reaper = asyncio.create_task(_reap(out.rendezvous, max(lease_ttl_s / 4, 0.05)), name="lease-reaper")
+    out._reaper = asyncio.create_task(_reap(out.rendezvous, min(lease_ttl_s / 4, 0.25)), name="lease-reaper")
     return out

@@ -11,6 +11,11 @@ Rules:
     numeric-aware order of their keys ("node7" before "node66").
   * Within a node, explicit local ranks are kept; the other workers fill the
     free local ranks in join order. Local ranks end up 0..size-1.
+  * Re-forming after a change, survivors carry their previous node rank and
+    local rank as hints: each is kept when it is still in range and free
+    (after explicit ranks); survivors that cannot keep theirs fill the free
+    ranks first, in their previous order, then newcomers as above. So ranks
+    stay put wherever the world's shape allows, and are compacted otherwise.
   * Global rank = sizes of all lower-ranked nodes + local rank.
   * Groups: GLOBAL (everyone), INTRA_NODE (one per node), INTER_NODE (one per
     local rank i, holding local rank i of every node that has one), then the
@@ -45,6 +50,8 @@ class MemberSpec(NamedTuple):
     local_rank: int | None = None
     node_rank: int | None = None
     role: str = ""
+    prev_node_rank: int | None = None  # survivors of a previous generation: hints, not demands
+    prev_local_rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,13 +154,18 @@ def plan_world(members: Sequence[MemberSpec], spec: JobSpec) -> WorldPlan:
     num_nodes = len(by_node)
 
     explicit: dict[int, str] = {}
+    hinted: list[tuple[int, str]] = []
     implicit: list[str] = []
     for key, node_members in by_node.items():
         wanted = {m.node_rank for m in node_members if m.node_rank is not None}
         if len(wanted) > 1:
             raise PlanError(f"node {key!r} was given node ranks {sorted(wanted)}; a node has one")
         if not wanted:
-            implicit.append(key)
+            hints = [m.prev_node_rank for m in node_members if m.prev_node_rank is not None]
+            if hints:
+                hinted.append((min(hints), key))
+            else:
+                implicit.append(key)
             continue
         (nr,) = wanted
         if nr >= num_nodes:
@@ -161,10 +173,16 @@ def plan_world(members: Sequence[MemberSpec], spec: JobSpec) -> WorldPlan:
         if nr in explicit:
             raise PlanError(f"nodes {explicit[nr]!r} and {key!r} both asked for node_rank {nr}")
         explicit[nr] = key
-    implicit.sort(key=node_sort_key)
-    free = iter(r for r in range(num_nodes) if r not in explicit)
     order = dict(explicit)
-    for key in implicit:
+    displaced = []
+    for hint, key in sorted(hinted):
+        if hint < num_nodes and hint not in order:
+            order[hint] = key
+        else:
+            displaced.append(key)
+    implicit.sort(key=node_sort_key)
+    free = iter(r for r in range(num_nodes) if r not in order)
+    for key in displaced + implicit:
         order[next(free)] = key
 
     nodes: list[NodePlacement] = []
@@ -185,10 +203,16 @@ def plan_world(members: Sequence[MemberSpec], spec: JobSpec) -> WorldPlan:
             if seats[m.local_rank] is not None:
                 raise PlanError(f"two workers on node {key!r} asked for local_rank {m.local_rank}")
             seats[m.local_rank] = m
+        moved = []
+        for m in sorted((m for m in node_members if m.local_rank is None and m.prev_local_rank is not None), key=lambda m: m.prev_local_rank):
+            if m.prev_local_rank < size and seats[m.prev_local_rank] is None:
+                seats[m.prev_local_rank] = m
+            else:
+                moved.append(m)
+        newcomers = [m for m in node_members if m.local_rank is None and m.prev_local_rank is None]
         gaps = iter(i for i, s in enumerate(seats) if s is None)
-        for m in node_members:
-            if m.local_rank is None:
-                seats[next(gaps)] = m
+        for m in moved + newcomers:
+            seats[next(gaps)] = m
         for local_rank, m in enumerate(seats):
             assert m is not None  # every seat is filled: len(seats) == len(node_members)
             rank_of[m.member_id] = first_rank + local_rank

@@ -180,7 +180,8 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_status)
 
 
-_STATE = {pb.JobDescription.FORMING: "forming", pb.JobDescription.FORMED: "formed", pb.JobDescription.FAILED: "failed"}
+_STATE = {pb.JobDescription.FORMING: "forming", pb.JobDescription.FORMED: "formed", pb.JobDescription.FAILED: "failed",
+          pb.JobDescription.ENDED: "ended"}
 
 
 def _roles(n: pb.NodeDescription) -> str:

@@ -78,6 +78,8 @@ SETTINGS = (
     Setting("health_port", _optional_port, "off", "an extra plaintext port serving only grpc.health.v1, e.g. for Kubernetes' gRPC probes; 0 picks a free one"),
     Setting("metrics_port", _optional_port, "off", "HTTP port for Prometheus metrics at /metrics; 0 picks a free one"),
     Setting("lease_ttl_s", _positive, "10", "member lease in seconds; clients renew at a third of it"),
+    Setting("store", _choice("sqlite", "memory"), "sqlite", "where state lives: a SQLite database under --state-dir (survives restarts), or memory only"),
+    Setting("state_dir", str, "~/.local/state/commctx", "directory of the SQLite store"),
     Setting("grace_s", _non_negative, "5", "on SIGTERM, how long in-flight calls may finish"),
     Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     Setting("log_format", _choice("plain", "json"), "plain", "one line per event, as key=value text or JSON"),
@@ -91,6 +93,8 @@ class Config:
     health_port: int | None = None
     metrics_port: int | None = None
     lease_ttl_s: float = 10.0
+    store: str = "sqlite"
+    state_dir: str = "~/.local/state/commctx"
     grace_s: float = 5.0
     log_level: str = "info"
     log_format: str = "plain"

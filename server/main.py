@@ -19,15 +19,17 @@ import prometheus_client
 
 from .app import host_port, start_server
 from .config import Config, from_env
+from .store import SqliteStore
 from .telemetry import configure_logging
 
 log = logging.getLogger("commctx.server")
 
 
 async def serve(config: Config) -> None:
+    store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
         config.host, config.port, lease_ttl_s=config.lease_ttl_s,
-        health_port=config.health_port, metrics_port=config.metrics_port,
+        health_port=config.health_port, metrics_port=config.metrics_port, store=store,
     )
     print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
     if server.health_port is not None:

@@ -6,11 +6,12 @@ No business logic lives here. Every domain error maps to a status code through
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
@@ -31,7 +32,7 @@ from .errors import (
     WaitTimeout,
 )
 from .spec import JobSpec, spec_from_proto, spec_to_proto
-from .state import Assignment, JobState, JobView, JoinParams, Rendezvous
+from .state import Assignment, Gone, JobState, JobView, JoinParams, Rendezvous, SessionEvent, WorldChange
 from .telemetry import Events
 
 log = logging.getLogger("commctx.server")
@@ -50,11 +51,13 @@ STATUS_OF: dict[type[RendezvousError], grpc.StatusCode] = {
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
+_CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
 _ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _STATE = {
     JobState.FORMING: pb.JobDescription.FORMING,
     JobState.FORMED: pb.JobDescription.FORMED,
     JobState.FAILED: pb.JobDescription.FAILED,
+    JobState.ENDED: pb.JobDescription.ENDED,
 }
 
 T = TypeVar("T")
@@ -102,7 +105,9 @@ def join_params(r: pb.JoinRequest) -> JoinParams:
     node_rank = r.node_rank if r.HasField("node_rank") else None
     if node_rank is not None and node_rank >= world_size:
         raise InvalidArgument(f"node_rank {node_rank} is not below world_size {world_size}")
-    return JoinParams(job_id, spec, node_key, address, r.master_port, local_rank, node_rank, loopback, r.role)
+    if r.member_id and not _CLIENT_MEMBER_ID.fullmatch(r.member_id):
+        raise InvalidArgument(f"member_id {r.member_id[:70]!r} is malformed: give 16-64 lowercase hex digits, or none")
+    return JoinParams(job_id, spec, node_key, address, r.master_port, local_rank, node_rank, loopback, r.role, r.member_id)
 
 
 @functools.lru_cache(maxsize=256)  # every worker of a job sends the same spec
@@ -153,7 +158,18 @@ def join_response(member_id: str, lease_ttl_s: float, a: Assignment) -> pb.JoinR
     if plan.roles:
         m.role = plan.roles[p.rank]
     m.groups.extend([_group_proto(g) for g in plan.groups_of(p)])
+    m.changed_groups.extend(a.changed_groups)
+    if a.previous_rank is not None:
+        m.previous_rank = a.previous_rank
     return response
+
+
+def session_event(event: SessionEvent, member_id: str, lease_ttl_s: float) -> pb.SessionEvent:
+    if isinstance(event, WorldChange):
+        return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason))
+    if isinstance(event, Gone):
+        return pb.SessionEvent(gone=event.reason)
+    return pb.SessionEvent(assignment=join_response(member_id, lease_ttl_s, event).assignment)
 
 
 def description_proto(v: JobView) -> pb.JobDescription:
@@ -175,6 +191,8 @@ def description_proto(v: JobView) -> pb.JobDescription:
         reason=v.reason,
         forming_for_s=v.forming_for_s,
         missing_nodes=v.missing_nodes,
+        waiting=v.waiting,
+        not_ready=v.not_ready,
     )
 
 
@@ -236,6 +254,48 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         finally:  # a no-op once assigned; before that, a caller that went away is withdrawn
             self._rdzv.withdraw(params.job_id, joined.member_id)
         await self._abort(context, "Join", error)
+
+    async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
+        # The first message names the member; every message renews its lease.
+        # Events the state queues for the member are written as they come.
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        try:
+            job_id, member_id = job_id_of(first.job_id), member_id_of(first.member_id)
+            outbox, ttl = self._rdzv.open_session(job_id, member_id, first.generation)
+            self._rdzv.renew(job_id, member_id, first.generation, first.ready_port)
+        except NotFound as exc:  # a renewal for an unknown member: "gone, re-join", not an error
+            await context.write(pb.SessionEvent(gone=str(exc)))
+            return
+        except Exception as exc:
+            await self._abort(context, "Session", exc)
+            return
+        await context.write(pb.SessionEvent(lease_ttl_ms=round(ttl * 1000)))
+        reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, outbox))
+        try:
+            while True:
+                event = await outbox.get()
+                if event is None:  # the reader saw the client finish
+                    return
+                await context.write(session_event(event, member_id, ttl))
+                if isinstance(event, Gone):
+                    return
+        finally:
+            reader.cancel()
+            self._rdzv.close_session(job_id, member_id, outbox)
+
+    async def _renewals(self, context: grpc.aio.ServicerContext, job_id: str, member_id: str, outbox: asyncio.Queue) -> None:
+        while True:
+            request = await context.read()
+            if request is grpc.aio.EOF:
+                outbox.put_nowait(None)
+                return
+            try:
+                self._rdzv.renew(job_id, member_id, request.generation, request.ready_port)
+            except NotFound as exc:
+                outbox.put_nowait(Gone(str(exc)))
+                return
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         def renew():

@@ -40,6 +40,16 @@ class Layout:
     within_node: tuple[str, ...] = ()
 
     @property
+    def step(self) -> int:
+        """The product of every size but dp: world sizes must be multiples of it."""
+        return math.prod(s for d, s in self.sizes if d != "dp")
+
+    def at_size(self, world_size: int) -> Layout:
+        """This layout with dp derived for `world_size` (a multiple of `step`)."""
+        dp = world_size // self.step
+        return dataclasses.replace(self, sizes=tuple((d, dp if d == "dp" else s) for d, s in self.sizes))
+
+    @property
     def order(self) -> str:
         return "-".join(d for d, _ in self.sizes)
 
@@ -85,6 +95,28 @@ class JobSpec:
     rules: tuple[Rule, ...] = ()
     cpu_twins: tuple[str, ...] = ()
     expected_nodes: tuple[str, ...] = ()  # informational, for describing who is missing
+    min_size: int | None = None  # elastic: the world forms with min_size..world_size workers
+    last_call_s: float = 1.0  # elastic: how long to wait for more once min_size are there
+
+    @property
+    def max_size(self) -> int:
+        return self.world_size
+
+    @property
+    def min_world(self) -> int:
+        return self.world_size if self.min_size is None else self.min_size
+
+    def admissible(self, n: int) -> bool:
+        """Whether a world of n workers satisfies this spec."""
+        step = self.layout.step if self.layout is not None else 1
+        return self.min_world <= n <= self.world_size and n % step == 0
+
+    def at_size(self, n: int) -> JobSpec:
+        """The fixed spec a world of n workers is planned with."""
+        if n == self.world_size and self.min_size is None:
+            return self
+        layout = self.layout.at_size(n) if self.layout is not None else None
+        return dataclasses.replace(self, world_size=n, layout=layout, min_size=None)
 
     def role_count(self, role: str) -> int | None:
         """The declared count of `role`, or None when roles are not declared."""
@@ -119,7 +151,7 @@ def _name(kind: str, value: str, pattern: re.Pattern[str]) -> str:
     return value
 
 
-def _layout(world_size: int, p: pb.ParallelLayout) -> Layout:
+def _layout(world_size: int, p: pb.ParallelLayout, elastic_min: int | None = None) -> Layout:
     tokens = [t for t in (p.order or DEFAULT_ORDER).split("-")]
     for t in tokens:
         if t not in DIMS:
@@ -129,6 +161,16 @@ def _layout(world_size: int, p: pb.ParallelLayout) -> Layout:
     given = {d: getattr(p, d) for d in DIMS}
     sizes = {d: given[d] or 1 for d in DIMS}
     others = math.prod(sizes[d] for d in DIMS if d != "dp")
+    if elastic_min is not None:
+        if given["dp"]:
+            raise InvalidArgument(f"layout.dp {given['dp']}: an elastic job derives dp from the world size; leave dp out")
+        fits = [n for n in range(world_size, elastic_min - 1, -1) if n % others == 0]
+        if not fits:
+            raise Conflict(
+                f"no world size from {elastic_min} to {world_size} is a multiple of tp×cp×ep×pp = "
+                f"{sizes['tp']}×{sizes['cp']}×{sizes['ep']}×{sizes['pp']} = {others}"
+            )
+        world_size = fits[0]
     if not given["dp"]:
         if world_size % others:
             raise Conflict(
@@ -220,16 +262,24 @@ def spec_from_proto(p: pb.JobSpec) -> JobSpec:
     world_size = p.world_size
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise InvalidArgument(f"spec.world_size {world_size} is out of range 1..{MAX_WORLD_SIZE}")
-    if not (p.HasField("layout") or p.roles or p.groups or p.cpu_twins or p.expected_nodes):
+    if not (p.HasField("layout") or p.roles or p.groups or p.cpu_twins or p.expected_nodes or p.HasField("elastic")):
         return JobSpec(world_size)  # the common case, kept cheap
+    min_size = last_call_s = None
+    if p.HasField("elastic"):
+        min_size = p.elastic.min_size
+        if not 1 <= min_size <= world_size:
+            raise InvalidArgument(f"elastic.min_size {min_size} is out of range 1..{world_size} (world_size is the maximum)")
+        if p.roles:
+            raise InvalidArgument("role counts need a fixed world size: give either roles or elastic")
+        last_call_s = p.elastic.last_call_ms / 1000 if p.elastic.HasField("last_call_ms") else 1.0
     for key in p.expected_nodes:
         if not _NODE_KEY.fullmatch(key):
             raise InvalidArgument(f"expected_nodes entry {key[:70]!r} is not a valid node key")
-    layout = _layout(world_size, p.layout) if p.HasField("layout") else None
+    layout = _layout(world_size, p.layout, min_size) if p.HasField("layout") else None
     roles = _roles(world_size, p.roles)
     declared = {r for r, _ in roles}
-    rules = tuple(_rule(world_size, r, declared) for r in p.groups)
-    spec = JobSpec(world_size, layout, roles, rules)
+    rules = tuple(_rule(min_size or world_size, r, declared) for r in p.groups)
+    spec = JobSpec(world_size, layout, roles, rules, min_size=min_size, last_call_s=1.0 if last_call_s is None else last_call_s)
     modes = spec.modes()
     duplicated = sorted({m for m in modes if modes.count(m) > 1})
     if duplicated:
@@ -243,6 +293,8 @@ def spec_from_proto(p: pb.JobSpec) -> JobSpec:
 def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
     """The wire form of a spec (for describing jobs)."""
     out = pb.JobSpec(world_size=spec.world_size, cpu_twins=spec.cpu_twins, expected_nodes=spec.expected_nodes)
+    if spec.min_size is not None:
+        out.elastic.CopyFrom(pb.Elastic(min_size=spec.min_size, last_call_ms=round(spec.last_call_s * 1000)))
     if spec.layout is not None:
         out.layout.CopyFrom(pb.ParallelLayout(order=spec.layout.order, within_node=spec.layout.within_node, **dict(spec.layout.sizes)))
     out.roles.extend(pb.RoleCount(role=r, count=c) for r, c in spec.roles)

@@ -29,6 +29,10 @@ class Events:
 
     def failed(self, job_id: str, reason: str) -> None: ...
 
+    def reforming(self, job_id: str, generation: int, reason: str) -> None: ...
+
+    def ended(self, job_id: str, reason: str) -> None: ...
+
     def removed(self, job_id: str, member_id: str, why: str) -> None: ...
 
     def rpc_error(self, method: str, code: str) -> None: ...
@@ -85,6 +89,7 @@ class Telemetry(Events):
             "commctx_members_removed", "Members removed, by why: left, expired, withdrawn", ["why"], registry=registry
         )
         self.worlds = Counter("commctx_worlds_formed", "Worlds formed (each is a new generation of a job)", registry=registry)
+        self.reforms = Counter("commctx_reforms", "Formed worlds that began re-forming (a member left or expired, or joiners arrived)", registry=registry)
         self.failures = Counter("commctx_jobs_failed", "Jobs whose joined workers could not form a valid world", registry=registry)
         self.duration = Histogram(
             "commctx_rendezvous_duration_seconds",
@@ -107,6 +112,13 @@ class Telemetry(Events):
     def failed(self, job_id, reason):
         self.failures.inc()
         event("failed", logging.WARNING, job=job_id, reason=reason)
+
+    def reforming(self, job_id, generation, reason):
+        self.reforms.inc()
+        event("reforming", job=job_id, generation=generation, reason=reason)
+
+    def ended(self, job_id, reason):
+        event("ended", job=job_id, reason=reason)
 
     def removed(self, job_id, member_id, why):
         self.removed_members.labels(why).inc()

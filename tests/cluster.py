@@ -91,6 +91,8 @@ class Server(Proc):
     def __init__(self, host: str, *args: str, health: bool = False, metrics: bool = False,
                  env: dict[str, str] | None = None, argv: Sequence[str] | None = None) -> None:
         extra = (["--health-port", "0"] if health else []) + (["--metrics-port", "0"] if metrics else [])
+        if not any(a.startswith("--store") or a.startswith("--state-dir") for a in args):
+            extra.append("--store=memory")  # tests that want durable state pass --state-dir
         argv = argv or [sys.executable, "-m", "commctx.server", "--host", host, "--port", "0", *extra, *args]
         super().__init__(argv, "server", env)
         first = self.line(30)

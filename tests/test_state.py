@@ -53,10 +53,12 @@ async def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, cloc
     assert rdzv.expire() == [("j", other)]
     with pytest.raises(NotFound, match=f"member '{other}' is not in job 'j'"):
         rdzv.keep_alive("j", other, 1)
+    # a fixed-size world cannot go on with one of two
+    view = rdzv.describe("j")
+    assert view.state is JobState.FAILED and "fewer than the minimum of 2" in view.reason
     clock.now += 11.0
     assert rdzv.expire() == [("j", waiting)]
-    with pytest.raises(NotFound, match="no job 'j'"):
-        rdzv.describe("j")
+    assert rdzv.describe("j").state is JobState.FAILED  # kept a while to say why
 
 
 async def test_keepalive_with_another_generation_is_stale(rdzv):

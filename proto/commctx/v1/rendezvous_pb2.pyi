@@ -15,20 +15,30 @@ SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "layout", "roles", "groups", "cpu_twins", "expected_nodes")
+    __slots__ = ("world_size", "layout", "roles", "groups", "cpu_twins", "expected_nodes", "elastic")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     CPU_TWINS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     layout: ParallelLayout
     roles: _containers.RepeatedCompositeFieldContainer[RoleCount]
     groups: _containers.RepeatedCompositeFieldContainer[GroupRule]
     cpu_twins: _containers.RepeatedScalarFieldContainer[str]
     expected_nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, world_size: _Optional[int] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRule, _Mapping]]] = ..., cpu_twins: _Optional[_Iterable[str]] = ..., expected_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    elastic: Elastic
+    def __init__(self, world_size: _Optional[int] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRule, _Mapping]]] = ..., cpu_twins: _Optional[_Iterable[str]] = ..., expected_nodes: _Optional[_Iterable[str]] = ..., elastic: _Optional[_Union[Elastic, _Mapping]] = ...) -> None: ...
+
+class Elastic(_message.Message):
+    __slots__ = ("min_size", "last_call_ms")
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAST_CALL_MS_FIELD_NUMBER: _ClassVar[int]
+    min_size: int
+    last_call_ms: int
+    def __init__(self, min_size: _Optional[int] = ..., last_call_ms: _Optional[int] = ...) -> None: ...
 
 class ParallelLayout(_message.Message):
     __slots__ = ("tp", "cp", "ep", "dp", "pp", "order", "within_node")
@@ -99,7 +109,7 @@ class RankList(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role")
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +119,7 @@ class JoinRequest(_message.Message):
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     node_key: str
@@ -118,7 +129,8 @@ class JoinRequest(_message.Message):
     node_rank: int
     wait_timeout_ms: int
     role: str
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    member_id: str
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("member_id", "lease_ttl_ms", "assignment")
@@ -131,7 +143,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role")
+    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +157,8 @@ class Assignment(_message.Message):
     DIST_URL_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
@@ -158,7 +172,9 @@ class Assignment(_message.Message):
     dist_url: str
     groups: _containers.RepeatedCompositeFieldContainer[Group]
     role: str
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ...) -> None: ...
+    changed_groups: _containers.RepeatedScalarFieldContainer[str]
+    previous_rank: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("mode", "index", "ranks", "cpu_twin", "root")
@@ -189,6 +205,38 @@ class RankRun(_message.Message):
     count: int
     stride: int
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("job_id", "member_id", "generation", "ready_port")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    READY_PORT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    member_id: str
+    generation: int
+    ready_port: int
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., ready_port: _Optional[int] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone")
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_ms: int
+    world_changed: WorldChange
+    assignment: Assignment
+    gone: str
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ...) -> None: ...
+
+class WorldChange(_message.Message):
+    __slots__ = ("generation", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("job_id", "member_id", "generation")
@@ -227,17 +275,19 @@ class DescribeJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobDescription(_message.Message):
-    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes")
+    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[JobDescription.State]
         FORMING: _ClassVar[JobDescription.State]
         FORMED: _ClassVar[JobDescription.State]
         FAILED: _ClassVar[JobDescription.State]
+        ENDED: _ClassVar[JobDescription.State]
     STATE_UNSPECIFIED: JobDescription.State
     FORMING: JobDescription.State
     FORMED: JobDescription.State
     FAILED: JobDescription.State
+    ENDED: JobDescription.State
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +298,8 @@ class JobDescription(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     FORMING_FOR_S_FIELD_NUMBER: _ClassVar[int]
     MISSING_NODES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    NOT_READY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobDescription.State
     generation: int
@@ -258,7 +310,9 @@ class JobDescription(_message.Message):
     reason: str
     forming_for_s: float
     missing_nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    waiting: int
+    not_ready: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ()

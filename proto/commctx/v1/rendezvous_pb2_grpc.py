@@ -39,6 +39,11 @@ class RendezvousStub:
                 request_serializer=commctx_dot_v1_dot_rendezvous__pb2.JoinRequest.SerializeToString,
                 response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.JoinResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/commctx.v1.Rendezvous/Session',
+                request_serializer=commctx_dot_v1_dot_rendezvous__pb2.SessionRequest.SerializeToString,
+                response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.SessionEvent.FromString,
+                _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/commctx.v1.Rendezvous/KeepAlive',
                 request_serializer=commctx_dot_v1_dot_rendezvous__pb2.KeepAliveRequest.SerializeToString,
@@ -74,9 +79,20 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """A member's session: every client message renews the lease (send one at
+        least every lease_ttl/3); the server sends SessionEvents: world changes
+        and new assignments. An unknown member gets a `gone` event, then the
+        stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KeepAlive(self, request, context):
-        """Renews a member's lease. Unknown member: NOT_FOUND. A generation that
-        differs from the job's current one: FAILED_PRECONDITION.
+        """Renews a member's lease without a session (for simple clients). Unknown
+        member: NOT_FOUND. A generation that differs from the job's current one:
+        FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +126,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.Join,
                     request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.JoinRequest.FromString,
                     response_serializer=commctx_dot_v1_dot_rendezvous__pb2.JoinResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.SessionRequest.FromString,
+                    response_serializer=commctx_dot_v1_dot_rendezvous__pb2.SessionEvent.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
@@ -159,6 +180,33 @@ class Rendezvous:
             '/commctx.v1.Rendezvous/Join',
             commctx_dot_v1_dot_rendezvous__pb2.JoinRequest.SerializeToString,
             commctx_dot_v1_dot_rendezvous__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/commctx.v1.Rendezvous/Session',
+            commctx_dot_v1_dot_rendezvous__pb2.SessionRequest.SerializeToString,
+            commctx_dot_v1_dot_rendezvous__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,
