@@ -38,6 +38,7 @@ class Layout:
 
     sizes: tuple[tuple[str, int], ...]
     within_node: tuple[str, ...] = ()
+    dp_given: bool = False  # dp was given, rather than derived from the world size
 
     @property
     def step(self) -> int:
@@ -192,7 +193,7 @@ def _layout(world_size: int, p: pb.ParallelLayout, elastic_min: int | None = Non
     for d in within:
         if d not in DIMS:
             raise InvalidArgument(f"layout.within_node {d!r} is not one of {', '.join(DIMS)}")
-    return Layout(tuple((d, sizes[d]) for d in tokens), within)
+    return Layout(tuple((d, sizes[d]) for d in tokens), within, bool(given["dp"]))
 
 
 def _roles(world_size: int, counts) -> tuple[tuple[str, int], ...]:
@@ -296,7 +297,8 @@ def spec_to_proto(spec: JobSpec) -> pb.JobSpec:
     if spec.min_size is not None:
         out.elastic.CopyFrom(pb.Elastic(min_size=spec.min_size, last_call_ms=round(spec.last_call_s * 1000)))
     if spec.layout is not None:
-        out.layout.CopyFrom(pb.ParallelLayout(order=spec.layout.order, within_node=spec.layout.within_node, **dict(spec.layout.sizes)))
+        sizes = {d: s for d, s in spec.layout.sizes if d != "dp" or spec.layout.dp_given}
+        out.layout.CopyFrom(pb.ParallelLayout(order=spec.layout.order, within_node=spec.layout.within_node, **sizes))
     out.roles.extend(pb.RoleCount(role=r, count=c) for r, c in spec.roles)
     for rule in spec.rules:
         g = out.groups.add(mode=rule.mode)
