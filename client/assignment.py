@@ -38,6 +38,8 @@ class Assignment:
     dist_url: str
     groups: tuple[GroupInfo, ...]  # canonical creation order
     role: str = ""
+    changed_groups: tuple[str, ...] = ()  # modes whose group differs from the previous generation's
+    previous_rank: int | None = None  # this worker's rank in the previous generation
 
     @classmethod
     def from_proto(cls, a: pb.Assignment, member_id: str) -> Assignment:
@@ -64,6 +66,8 @@ class Assignment:
             dist_url=a.dist_url,
             groups=tuple(groups),
             role=a.role,
+            changed_groups=tuple(a.changed_groups),
+            previous_rank=a.previous_rank if a.HasField("previous_rank") else None,
         )
 
     def group(self, mode: str) -> GroupInfo | None:

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +31,7 @@ from .errors import CommContextError, GroupNotFound
 from .groups import build_groups
 from .modes import CommMode, Mode, mode_key
 from .netif import interface_of, listen_socket, route_source_address
-from .session import Session
+from .session import Session, WorldChange
 from .transport import split_address
 
 log = logging.getLogger("commctx")
@@ -150,6 +150,8 @@ class CommContext:
         self._assignment: Assignment | None = None
         self._session: Session | None = None
         self._store: dist.TCPStore | None = None
+        self._address = ""
+        self._collective_timeout = 1800
         self._env_saved: dict[str, str | None] = {}
 
     # -- joining a rendezvous ------------------------------------------------------
@@ -170,6 +172,7 @@ class CommContext:
         backend: str = "auto",
         timeout: float = DEFAULT_JOIN_TIMEOUT_S,
         collective_timeout: int = 1800,
+        on_world_changed: Callable[[WorldChange], None] | None = None,
     ) -> CommContext:
         """Joins `job_id` on the rendezvous server and returns the ready context.
 
@@ -193,6 +196,8 @@ class CommContext:
             backend: 'auto' (NCCL with CUDA, else gloo), 'nccl' or 'gloo'.
             timeout: Seconds to wait for the world to form.
             collective_timeout: torch.distributed timeout in seconds.
+            on_world_changed: Called (from the session thread; keep it quick)
+                when the server starts re-forming the world; see rejoin().
 
         Raises:
             CommContextError: this process is already initialised.
@@ -208,10 +213,7 @@ class CommContext:
         job_spec = job_spec_of(spec, world_size)
         host, port = split_address(server_addr)
         address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
-        try:
-            sock = listen_socket(address)
-        except OSError:  # an address that is not on a local interface (NAT): listen everywhere
-            sock = listen_socket("::" if ":" in address else "0.0.0.0")
+        sock = _listen_on(address)
         session = Session(server_addr)
         try:
             request = pb.JoinRequest(
@@ -225,36 +227,97 @@ class CommContext:
                 node_rank=node_rank,
             )
             a = session.join(request, timeout)
-            ctx._session, ctx._assignment = session, a
-            ctx._export_env(a, address, backend)
-            if a.rank == 0:
-                # Serve the job's store on the port this process has held since
-                # before it joined; init_process_group(tcp://...) finds this
-                # server through multi_tenant instead of binding a new one.
-                ctx._store = dist.TCPStore(
-                    a.master_addr, a.master_port, a.world_size, True,
-                    timeout=datetime.timedelta(seconds=collective_timeout),
-                    wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach(),
-                )
-            sock.close()
-            ctx.init_distributed_env(a.world_size, a.rank, backend, a.dist_url, collective_timeout)
-            built = build_groups(
-                a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size, backend=backend,
-                timeout=datetime.timedelta(seconds=collective_timeout),
-            )
-            for g in built:
-                ctx._register(g.mode, g.group, list(g.ranks), g.group_rank)
+            ctx._session, ctx._address, ctx._backend, ctx._collective_timeout = session, address, backend, collective_timeout
+            if on_world_changed is not None:
+                session.on_world_changed(on_world_changed)
+            ctx._enter_world(a, sock)
         except BaseException:
             sock.close()
             if ctx._session is None:
                 session.close(leave=False)
             ctx.destroy()
             raise
+        return ctx
+
+    def _enter_world(self, a: Assignment, sock: socket.socket) -> None:
+        """Initialises torch.distributed for assignment `a` and builds its groups.
+
+        `sock` is the listening socket whose port this worker offered: rank 0
+        serves the TCPStore on it; everyone else closes it.
+        """
+        self._assignment = a
+        self._export_env(a, self._address, self._backend)
+        if a.rank == 0:
+            # Serve the job's store on the port this process has held since it
+            # offered it; init_process_group(tcp://...) finds this server
+            # through multi_tenant instead of binding a new one.
+            self._store = dist.TCPStore(
+                a.master_addr, a.master_port, a.world_size, True,
+                timeout=datetime.timedelta(seconds=self._collective_timeout),
+                wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach(),
+            )
+        sock.close()
+        self.init_distributed_env(a.world_size, a.rank, self._backend, a.dist_url, self._collective_timeout)
+        built = build_groups(
+            a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size, backend=self._backend,
+            timeout=datetime.timedelta(seconds=self._collective_timeout),
+        )
+        for g in built:
+            self._register(g.mode, g.group, list(g.ranks), g.group_rank)
         log.info(
             "joined job=%s generation=%d rank=%d/%d node_rank=%d local_rank=%d master=%s",
             a.job_id, a.generation, a.rank, a.world_size, a.node_rank, a.local_rank, a.dist_url,
         )
-        return ctx
+
+    # -- when the world changes ------------------------------------------------------
+
+    @property
+    def world_change(self) -> WorldChange | None:
+        """The pending change of the world (the server is re-forming it), or None."""
+        return self._session.world_change if self._session is not None else None
+
+    def wait_world_change(self, timeout: float | None = None) -> WorldChange | None:
+        """Blocks until the server announces a change of the world (or `timeout`)."""
+        if self._session is None:
+            raise CommContextError("no rendezvous session: this process did not join")
+        return self._session.wait_world_change(timeout)
+
+    def rejoin(self, timeout: float = DEFAULT_JOIN_TIMEOUT_S) -> CommContext:
+        """Moves this worker into the next generation of its world.
+
+        Tears down the old process groups (in bounded time, even with dead
+        peers), offers a fresh listening port, waits for the new assignment
+        the server pushes once every survivor is ready, then initialises
+        torch.distributed and builds the new groups. Ranks follow the server's
+        rule: survivors keep their node and local ranks where possible.
+
+        Raises:
+            CommContextError: this process did not join, or no change is pending.
+            MemberNotFound: the server says this member is gone or the job
+                cannot continue (the message says why).
+            RendezvousTimeout: no new world within `timeout`.
+        """
+        session = self._session
+        if session is None:
+            raise CommContextError("rejoin() needs a context made by CommContext.join")
+        if session.world_change is None:
+            raise CommContextError("the world has not changed; rejoin() follows a world change")
+        self._leave_world()
+        sock = _listen_on(self._address)
+        try:
+            a = session.next_assignment(sock.getsockname()[1], timeout)
+            self._enter_world(a, sock)
+        except BaseException:
+            sock.close()
+            raise
+        return self
+
+    def _leave_world(self) -> None:
+        if dist.is_initialized():
+            _destroy_process_group(DESTROY_TIMEOUT_S)
+        self._store = None
+        for table in (self._local_ranks, self._global_ranks, self._world_sizes, self._ranks_in_group, self._groups):
+            table.clear()
 
     def _export_env(self, a: Assignment, address: str, backend: str, env: MutableMapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
@@ -477,6 +540,13 @@ class CommContext:
                 f"rank {self._global_ranks.get(CommMode.GLOBAL.value)} has no {key} group; "
                 f"it has: {', '.join(self._groups) or 'none'}"
             ) from None
+
+
+def _listen_on(address: str) -> socket.socket:
+    try:
+        return listen_socket(address)
+    except OSError:  # an address that is not on a local interface (NAT): listen everywhere
+        return listen_socket("::" if ":" in address else "0.0.0.0")
 
 
 def _destroy_process_group(timeout_s: float) -> None:

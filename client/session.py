@@ -1,27 +1,52 @@
-"""A worker's membership: join, wait for the assignment, keep the lease alive.
+"""A worker's membership: join, wait for the assignment, then hold a session.
 
-The keep-alive runs on one daemon thread owned by the Session; `close` stops and
-joins it. An unreachable server never disturbs the running job: renewals keep
-being retried and one warning is logged per outage.
+The session is one bidirectional stream owned by one background thread: its
+messages renew the lease (every TTL/3), and on it the server pushes world
+changes and new assignments. If the server is unreachable the thread
+reconnects with exponential backoff and jitter; the running job is never
+disturbed and one warning is logged per outage. `close` stops and joins it.
+
+Join carries a client-chosen member id, so a Join retried after a broken call
+or a server restart re-attaches instead of joining twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import queue
+import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
-from .errors import RendezvousError, RendezvousTimeout, ServerUnavailable
+from .errors import MemberNotFound, RendezvousError, RendezvousTimeout, ServerUnavailable
 from .transport import error_from_rpc, open_channel
 
 log = logging.getLogger("commctx")
 
-_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL")
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldChange:
+    """The server is re-forming the world this worker is in."""
+
+    generation: int  # the generation being replaced
+    reason: str
+
+
+def backoff(attempt: int) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(max, first * 2^attempt)]."""
+    return random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**attempt))
 
 
 class Session:
@@ -30,87 +55,193 @@ class Session:
     def __init__(self, server_addr: str) -> None:
         self.server_addr = server_addr
         self._channel, self._stub = open_channel(server_addr)
-        self.member_id: str | None = None
+        self.member_id = os.urandom(16).hex()
         self.assignment: Assignment | None = None
-        self.lease_error: RendezvousError | None = None
+        self.lease_error: RendezvousError | None = None  # set when the server says the member is gone
         self._job_id = ""
-        self._ttl_s = 0.0
+        self._ttl_s = 10.0
+        self._lock = threading.Condition()
         self._generation = 0
+        self._ready_port = 0
+        self._change: WorldChange | None = None
+        self._next: Assignment | None = None  # a pushed assignment not yet taken
+        self._callbacks: list[Callable[[WorldChange], None]] = []
+        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._call: grpc.Future | None = None
         self._closed = False
 
+    # -- joining ---------------------------------------------------------------
+
     def join(self, request: pb.JoinRequest, timeout_s: float) -> Assignment:
-        """Joins and blocks until the world has formed, then starts the keep-alive.
+        """Joins and blocks until placed in a world, then starts the session.
+
+        Retries (with backoff) while the server is unreachable, re-attaching to
+        the same membership, until `timeout_s` has passed.
 
         Raises:
             RendezvousError: the server refused the join (a subclass says why),
                 the world did not form within `timeout_s`, or the server could
                 not be reached.
         """
-        request.wait_timeout_ms = max(1, round(timeout_s * 1000))
+        request.member_id = self.member_id
         self._job_id = request.job_id
-        # The server answers DEADLINE_EXCEEDED (with who is missing) at timeout_s;
-        # the call's own deadline only guards against a server that went silent.
-        # wait_for_ready: a worker may start before the server does.
-        slack_s = min(5.0, 0.5 + timeout_s * 0.05)
-        try:
-            response = self._stub.Join(request, timeout=timeout_s + slack_s, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            err = error_from_rpc(exc)
-            if isinstance(err, RendezvousTimeout) and "did not form" not in err.details:
-                raise ServerUnavailable(
-                    err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s + slack_s:g} s"
-                ) from exc
-            raise err from exc
-        self.member_id = response.member_id
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            request.wait_timeout_ms = max(1, round(remaining * 1000))
+            # The server answers DEADLINE_EXCEEDED (with who is missing) when the
+            # wait ends; the call's own deadline only guards against a silent server.
+            slack_s = min(5.0, 0.5 + remaining * 0.05)
+            try:
+                response = self._stub.Join(request, timeout=remaining + slack_s, wait_for_ready=True)
+                break
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc)
+            server_said_timeout = isinstance(err, RendezvousTimeout) and "did not form" in err.details
+            if err.code not in _TRANSIENT or server_said_timeout:
+                raise err
+            if time.monotonic() + 0.05 >= deadline:
+                raise ServerUnavailable(err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s:g} s ({err.details})")
+            if attempt == 0:
+                log.warning("rendezvous server %s: %s; retrying the join", self.server_addr, err)
+            time.sleep(min(backoff(attempt), max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
+            attempt += 1
         self._ttl_s = response.lease_ttl_ms / 1000
         self.assignment = Assignment.from_proto(response.assignment, response.member_id)
         self._generation = self.assignment.generation
-        self._start_keepalive()
+        self._thread = threading.Thread(target=self._run, name="commctx-session", daemon=True)
+        self._thread.start()
         return self.assignment
 
-    def _start_keepalive(self) -> None:
-        self._thread = threading.Thread(target=self._keepalive, name="commctx-keepalive", daemon=True)
-        self._thread.start()
+    # -- the session thread -------------------------------------------------------
 
-    def _keepalive(self) -> None:
-        interval = max(self._ttl_s / 3, 0.01)
-        outage_since: float | None = None
-        while not self._stop.wait(interval):
-            request = pb.KeepAliveRequest(job_id=self._job_id, member_id=self.member_id, generation=self._generation)
-            try:
-                self._stub.KeepAlive(request, timeout=min(max(interval, 0.5), 5.0))
-            except grpc.RpcError as exc:
-                err = error_from_rpc(exc)
-                if err.code in _TRANSIENT:
-                    if outage_since is None:
-                        outage_since = time.monotonic()
-                        log.warning(
-                            "rendezvous server %s unreachable (%s); the job keeps running and the "
-                            "lease is renewed when it answers again", self.server_addr, err.code,
-                        )
-                    continue
-                self.lease_error = err
-                log.error("lease of member %s in job %r lost: %s", self.member_id, self._job_id, err)
+    def _requests(self) -> Iterator[pb.SessionRequest]:
+        while True:
+            with self._lock:
+                message = pb.SessionRequest(
+                    job_id=self._job_id, member_id=self.member_id, generation=self._generation, ready_port=self._ready_port
+                )
+            yield message
+            try:  # the next renewal after TTL/3, or at once when re-armed or stopping
+                self._wake.get(timeout=max(self._ttl_s / 3, 0.01))
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
                 return
-            if outage_since is not None:
-                log.warning("rendezvous server %s answers again after %.1f s", self.server_addr, time.monotonic() - outage_since)
-                outage_since = None
 
-    def _stop_keepalive(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10.0)
-            self._thread = None
+    def _run(self) -> None:
+        attempt = 0
+        outage_since: float | None = None
+        while not self._stop.is_set():
+            call = self._stub.Session(self._requests())
+            self._call = call
+            try:
+                for event in call:
+                    if outage_since is not None:
+                        log.warning("rendezvous server %s answers again after %.1f s", self.server_addr, time.monotonic() - outage_since)
+                        outage_since = None
+                    attempt = 0
+                    if self._handle(event):
+                        return
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                err = error_from_rpc(exc)
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    log.warning(
+                        "rendezvous server %s unreachable (%s); the job keeps running, and the session "
+                        "reconnects when it answers again", self.server_addr, err.code,
+                    )
+            if self._stop.wait(backoff(attempt)):
+                return
+            attempt = min(attempt + 1, 10)
+
+    def _handle(self, event: pb.SessionEvent) -> bool:
+        """Applies one event; True when the session is over."""
+        kind = event.WhichOneof("event")
+        if kind == "lease_ttl_ms":
+            self._ttl_s = event.lease_ttl_ms / 1000
+        elif kind == "world_changed":
+            change = WorldChange(event.world_changed.generation, event.world_changed.reason)
+            with self._lock:
+                self._change = change
+                callbacks = list(self._callbacks)
+                self._lock.notify_all()
+            log.warning("the world of generation %d is changing: %s", change.generation, change.reason)
+            for callback in callbacks:
+                try:
+                    callback(change)
+                except Exception:  # a user's callback must not end the session
+                    log.exception("world-changed callback failed")
+        elif kind == "assignment":
+            with self._lock:
+                self._next = Assignment.from_proto(event.assignment, self.member_id)
+                self._lock.notify_all()
+        elif kind == "gone":
+            with self._lock:
+                self.lease_error = MemberNotFound("NOT_FOUND", event.gone)
+                self._lock.notify_all()
+            if not self._stop.is_set():  # no news while this worker is leaving anyway
+                log.warning("membership of %s in job %r is over: %s", self.member_id, self._job_id, event.gone)
+            return True
+        return False
+
+    # -- world changes --------------------------------------------------------------
+
+    @property
+    def world_change(self) -> WorldChange | None:
+        """The pending change of the world, if the server announced one."""
+        with self._lock:
+            return self._change
+
+    def on_world_changed(self, callback: Callable[[WorldChange], None]) -> None:
+        """Calls `callback(change)` from the session thread when the world changes."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def wait_world_change(self, timeout_s: float | None = None) -> WorldChange | None:
+        with self._lock:
+            self._lock.wait_for(lambda: self._change is not None or self.lease_error is not None, timeout_s)
+            return self._change
+
+    def next_assignment(self, ready_port: int, timeout_s: float) -> Assignment:
+        """Re-arms with `ready_port` and waits for the next generation's assignment.
+
+        Raises:
+            MemberNotFound: the server says the member is gone or the job cannot continue.
+            RendezvousTimeout: no new world within `timeout_s`.
+        """
+        with self._lock:
+            self._ready_port = ready_port
+        self._wake.put(True)  # tell the server now, not at the next renewal
+        with self._lock:
+            self._lock.wait_for(lambda: self._next is not None or self.lease_error is not None, timeout_s)
+            if self._next is not None:
+                self.assignment, self._next, self._change = self._next, None, None
+                self._generation, self._ready_port = self.assignment.generation, 0
+                return self.assignment
+            if self.lease_error is not None:
+                raise self.lease_error
+        raise RendezvousTimeout("DEADLINE_EXCEEDED", f"no new world within {timeout_s:g} s")
+
+    # -- closing -------------------------------------------------------------------
 
     def close(self, *, leave: bool = True, leave_timeout_s: float = 1.0) -> None:
-        """Stops the keep-alive, leaves the job (best effort), closes the channel. Idempotent."""
+        """Stops the session, leaves the job (best effort), closes the channel. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._stop_keepalive()
-        if leave and self.member_id is not None:
+        self._stop.set()
+        self._wake.put(True)
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+        if leave and self.assignment is not None:
             try:
                 self._stub.Leave(pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id), timeout=leave_timeout_s)
             except grpc.RpcError as exc:

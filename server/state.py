@@ -414,7 +414,10 @@ class Rendezvous:
             return spec.world_size if spec.admissible(spec.world_size) else None
         if spec.min_size is None or n < spec.min_size:
             return None
-        if self._clock() < job.last_arrival + spec.last_call_s:
+        # The last call collects arrivals; survivors re-forming without
+        # newcomers have nobody to wait for.
+        newcomers = n - sum(1 for m in job.members.values() if m.in_world)
+        if newcomers and self._clock() < job.last_arrival + spec.last_call_s:
             return None
         return next((k for k in range(n, spec.min_size - 1, -1) if spec.admissible(k)), None)
 
@@ -500,7 +503,7 @@ class Rendezvous:
                 await job.wait(loop, deadline)
             except TimeoutError:
                 raise WaitTimeout(
-                    f"job {job_id!r} did not form within {timeout_s:g} s: {job.shortfall()}"
+                    f"job {job_id!r} did not form within {timeout_s:g} s: {self.describe(job_id).reason}"
                 ) from None
 
     def withdraw(self, job_id: str, member_id: str) -> None:

@@ -113,7 +113,7 @@ async def test_a_late_joiner_waits_then_grows_the_world(rdzv, clock):
 
 
 async def test_survivors_keep_their_node_and_local_ranks(rdzv, clock):
-    spec = elastic(4, 3, last_call_ms=5000)
+    spec = elastic(4, 3, last_call_ms=60_000)
     ids = [rdzv.join(params(spec, n)).member_id for n in ("a", "a", "b", "b")]
     assert [ranks(rdzv)[m] for m in ids] == [0, 1, 2, 3]
     outboxes = sessions(rdzv, ids)
@@ -140,9 +140,8 @@ async def test_only_groups_that_changed_are_marked(rdzv, clock):
     rdzv.leave("job", ids[3])  # rank 3: node b, local rank 1
     for i, m in enumerate(ids[:3]):
         rdzv.renew("job", m, 1, ready_port=42000 + i)
-    assert rdzv.describe("job").state is JobState.FORMING  # the last call after the 4th arrival is open
-    clock.now += 5.1
-    rdzv.tick()
+    # survivors alone have nobody to wait for: no last call
+    assert rdzv.describe("job").generation == 2
     pushed = {m: [e for e in drain(outboxes[m]) if isinstance(e, Assignment)][0] for m in ids[:3]}
     assert [pushed[m].placement.rank for m in ids[:3]] == [0, 1, 2]  # nobody moves
     assert set(pushed[ids[0]].changed_groups) == {"GLOBAL"}  # INTRA [0, 1] and INTER [0, 2] stand

@@ -99,7 +99,7 @@ async def test_expired_waiter_wakes_with_not_found(rdzv):
 
 async def test_wait_timeout_and_failed_world(rdzv):
     a = rdzv.join(params("t", 2, "x")).member_id
-    with pytest.raises(WaitTimeout, match=r"did not form within 0.05 s: 1 of 2 workers joined \(nodes present: x×1\); 1 missing"):
+    with pytest.raises(WaitTimeout, match=r"did not form within 0.05 s: waiting: 1 of 2 workers joined \(nodes present: x×1\); 1 missing"):
         await rdzv.wait_assignment("t", a, 0.05)
     b = rdzv.join(params("bad", 2, "x", local_rank=1)).member_id
     c = rdzv.join(params("bad", 2, "y")).member_id

@@ -4,6 +4,8 @@ Joins a job through CommContext.join, runs all_reduce on every group and prints
 one JSON line per command read from stdin:
   (start)   -> {"event": "joined", ...ranks, groups, sums, exported env...}
   reduce    -> {"event": "reduced", "sums": {...}}
+  rejoin    -> waits for the server to announce a world change, then rejoin():
+               {"event": "rejoined", "changed_at": wall time the change arrived, ...as joined}
   destroy   -> {"event": "destroyed", "seconds": ...}
 """
 
@@ -64,16 +66,33 @@ def main() -> None:
     p.add_argument("--spec", type=json.loads, help="JobSpec as JSON")
     args = p.parse_args()
 
+    changed_at = []
     start = time.perf_counter()
     ctx = CommContext.join(
         args.server, job_id=args.job, world_size=args.world_size, node_key=args.node_key, timeout=args.timeout,
-        role=args.role, spec=args.spec,
+        role=args.role, spec=args.spec, on_world_changed=lambda change: changed_at.append(time.time()),
     )
-    joined_s = time.perf_counter() - start
+    report(ctx, "joined", seconds=time.perf_counter() - start)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "reduce":
+            emit(event="reduced", sums=reduce_all(ctx))
+        elif command == "rejoin":
+            change = ctx.wait_world_change(120)
+            ctx.rejoin(timeout=120)
+            report(ctx, "rejoined", changed_at=changed_at[-1], reason=change.reason)
+        elif command == "destroy":
+            t = time.perf_counter()
+            ctx.destroy()
+            emit(event="destroyed", seconds=time.perf_counter() - t, fresh=CommContext() is not ctx, initialized=CommContext().is_initialized())
+            return
+
+
+def report(ctx: CommContext, event: str, **extra) -> None:
     a = ctx.assignment
     emit(
-        event="joined",
-        seconds=joined_s,
+        event=event,
+        **extra,
         rank=ctx.get_global_rank(),
         is_main=ctx.is_main_rank(),
         in_node_rank=ctx.get_in_node_rank(),
@@ -95,16 +114,9 @@ def main() -> None:
         sums=reduce_all(ctx),
         env={k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")},
         backend=dist.get_backend(),
+        previous_rank=a.previous_rank,
+        changed_groups=list(a.changed_groups),
     )
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "reduce":
-            emit(event="reduced", sums=reduce_all(ctx))
-        elif command == "destroy":
-            t = time.perf_counter()
-            ctx.destroy()
-            emit(event="destroyed", seconds=time.perf_counter() - t, fresh=CommContext() is not ctx, initialized=CommContext().is_initialized())
-            return
 
 
 if __name__ == "__main__":

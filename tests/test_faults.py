@@ -1,0 +1,190 @@
+"""Faults with real processes: a worker killed, the server killed and restarted
+on its state, a host's link cut, and a join storm."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from commctx.server import start_server
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .cluster import Hosts, Server, netns_available, running, worker
+
+pytestmark = pytest.mark.timeout(240)
+TTL = 2.0
+
+
+def sums_of(result: dict) -> dict[str, float]:
+    return {m: float(sum(x + 1 for x in g)) for m, g in result["groups"].items()}
+
+
+def describe(address: str, job: str) -> pb.JobDescription:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id=job), timeout=5)
+
+
+def test_a_killed_worker_is_replaced_by_a_smaller_world():
+    """4 workers (elastic, min 3) on two node keys; SIGKILL rank 1. The 3
+    survivors hear of it within TTL + 1 s, keep their node and local ranks, and
+    all_reduce correctly in generation 2."""
+    spec = {"elastic": {"min_size": 3, "last_call_ms": 10_000}}  # the world forms at 4 (its maximum) at once
+    server = Server("127.0.0.1", "--lease-ttl-s", str(TTL))
+    nodes = ["node-a", "node-a", "node-b", "node-b"]
+    workers = [worker(server.address, "ft", 4, node_key=n, spec=spec, name=f"w{i}") for i, n in enumerate(nodes)]
+    with running([server, *workers]):
+        first = {r["rank"]: (w, r) for w, r in ((w, w.event(120)) for w in workers)}
+        assert sorted(first) == [0, 1, 2, 3]
+        victim, _ = first[1]  # node-a, local rank 1
+        survivors = {rank: first[rank] for rank in (0, 2, 3)}
+        killed_at = time.time()
+        victim.kill()
+        for w, _ in survivors.values():
+            w.send("rejoin")
+        after = {rank: w.event(120) for rank, (w, _) in survivors.items()}
+        for old_rank, r in after.items():
+            assert r["changed_at"] - killed_at <= TTL + 1.0, r
+            assert "(node 'node-a', rank 1) expired" in r["reason"]
+            assert r["generation"] == 2 and r["world_size"] == 3 and r["previous_rank"] == old_rank
+            assert r["sums"] == sums_of(r) and r["sums"]["GLOBAL"] == 6.0
+        # node-a keeps node rank 0 and local rank 0; node-b keeps node rank 1, local ranks 0 and 1
+        assert {old: (r["rank"], r["node_rank"], r["in_node_rank"]) for old, r in after.items()} == {
+            0: (0, 0, 0), 2: (1, 1, 0), 3: (2, 1, 1)}
+        assert after[0]["groups"]["INTRA_NODE"] == [0] and after[2]["groups"]["INTRA_NODE"] == [1, 2]
+        assert after[0]["env"]["MASTER_PORT"] != first[0][1]["env"]["MASTER_PORT"]  # a new store for a new world
+        for w, _ in survivors.values():
+            w.send("destroy")
+        for w, _ in survivors.values():
+            assert w.event(60)["event"] == "destroyed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_server_killed_and_restarted_on_its_state(tmp_path):
+    """kill -9 the server under a running job: the workers keep computing, their
+    sessions reconnect to the restarted server (one warning), nothing is lost,
+    and a worker joining afterwards grows the world consistently."""
+    spec = {"elastic": {"min_size": 2, "last_call_ms": 1000}}
+    port = free_port()
+    args = ("--lease-ttl-s", str(TTL), "--state-dir", str(tmp_path))
+    argv = [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", str(port), *args]
+    server = Server("127.0.0.1", argv=argv)
+    workers = [worker(server.address, "durable", 3, node_key="n", spec=spec, name=f"w{i}") for i in range(2)]
+    late = None
+    try:
+        with running(workers):
+            first = [w.event(120) for w in workers]
+            assert sorted(r["rank"] for r in first) == [0, 1]
+            server.kill()
+            for w in workers:
+                w.send("reduce")
+            assert [w.event(60)["sums"] for w in workers] == [r["sums"] for r in first]  # undisturbed
+            server.stop()
+            server = Server("127.0.0.1", argv=argv)  # same port, same state
+            d = describe(server.address, "durable")
+            assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 2)
+            time.sleep(2 * TTL + 1)  # past the grace: only renewed leases survive this
+            d = describe(server.address, "durable")
+            assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 2)
+            for w in workers:
+                warnings = w.log().count("unreachable")
+                assert warnings == 1, w.log()
+            late = worker(server.address, "durable", 3, node_key="n", spec=spec, name="late")
+            for w in workers:
+                w.send("rejoin")
+            grown = [w.event(120) for w in workers] + [late.event(120)]
+            assert sorted(r["rank"] for r in grown) == [0, 1, 2]
+            assert {r["generation"] for r in grown} == {2}
+            assert all(r["sums"]["GLOBAL"] == 6.0 for r in grown)
+            # survivors kept their ranks; the newcomer took the next one
+            assert {r["previous_rank"]: r["rank"] for r in grown[:2]} == {0: 0, 1: 1}
+    finally:
+        if late is not None:
+            late.stop()
+        server.stop()
+
+
+NETNS = netns_available()
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_a_host_whose_link_goes_down_is_expired_and_the_rest_reform():
+    spec = {"elastic": {"min_size": 2, "last_call_ms": 10_000}}
+    hosts = Hosts(2)
+    try:
+        server = Server(hosts.server_ip, "--lease-ttl-s", str(TTL))
+        workers = [
+            worker(server.address, "link", 4, netns=ns, hostname=host, name=f"{host}-{i}", spec=spec)
+            for host, ns in zip(("host-a", "host-b"), hosts.names)
+            for i in range(2)
+        ]
+        with running([server, *workers]):
+            first = [w.event(120) for w in workers]
+            assert sorted(r["rank"] for r in first) == [0, 1, 2, 3]
+            cut_at = time.time()
+            subprocess.run(["ip", "link", "set", f"{hosts.bridge}v1", "down"], check=True)  # host-b's cable
+            for w in workers[:2]:
+                w.send("rejoin")
+            after = [w.event(120) for w in workers[:2]]
+            assert sorted(r["rank"] for r in after) == [0, 1] and all(r["world_size"] == 2 for r in after)
+            assert all(r["changed_at"] - cut_at <= TTL + 1.5 for r in after)
+            assert all("host-b" in r["reason"] and "expired" in r["reason"] for r in after)
+            assert all(r["sums"]["GLOBAL"] == 3.0 and r["sums"] == sums_of(r) for r in after)
+            d = describe(server.address, "link")
+            assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 2, 2)
+    finally:
+        hosts.close()
+
+
+async def test_join_storm_with_disconnects_and_rejoins():
+    """1,000 clients join; a random tenth drop their call while the world forms
+    and join again (half with their old member id, half as new members). The
+    world that forms holds each final member exactly once, ranks 0..999."""
+    rng = random.Random(7)
+    server = await start_server("127.0.0.1", 0, lease_ttl_s=30)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            world = 1000
+
+            def request(i: int, member_id: str) -> pb.JoinRequest:
+                return pb.JoinRequest(job_id="storm", spec=pb.JobSpec(world_size=world), node_key=f"node{i % 37}",
+                                      address="127.0.0.1", master_port=10000 + i, member_id=member_id, wait_timeout_ms=60_000)
+
+            ids = [f"{i:032x}" for i in range(world)]
+            droppers = set(rng.sample(range(world), world // 10))
+            calls = {}
+            for i in range(world):
+                calls[i] = stub.Join(request(i, ids[i]))
+                if rng.random() < 0.2:
+                    await asyncio.sleep(0)
+            tasks = {i: asyncio.ensure_future(c) for i, c in calls.items()}
+            await asyncio.sleep(0.05)
+            for i in droppers:  # these drop their call before the world can form
+                calls[i].cancel()
+            await asyncio.gather(*(tasks[i] for i in droppers), return_exceptions=True)
+            final = dict(ids=dict(enumerate(ids)))
+            for i in droppers:
+                if rng.random() < 0.5:
+                    final["ids"][i] = f"{world + i:032x}"  # joins again as a new member
+                tasks[i] = asyncio.ensure_future(stub.Join(request(i, final["ids"][i])))
+            responses = await asyncio.gather(*tasks.values())
+            by_member = {r.member_id: r.assignment.rank for r in responses}
+            assert set(by_member) == set(final["ids"].values())
+            assert sorted(by_member.values()) == list(range(world))
+            d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="storm"))
+            assert (d.state, d.joined, d.generation) == (pb.JobDescription.FORMED, world, 1)
+    finally:
+        await server.stop(0)
