@@ -14,7 +14,7 @@ call buffers); "after" once the server has settled after that first job (what
 the allocator keeps: freed pages pinned by surviving objects); "warm" across
 the second job (what each further member costs once the pages are there).
 
-    python benchmarks/join_scale.py [--no-pin] [--log-level info] [N ...]    (default N: 100 1000 10000)
+    python benchmarks/join_scale.py [--no-pin] [--log-level info] [--store memory] [N ...]    (default N: 100 1000 10000)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -46,9 +47,9 @@ def rss_kib(pid: int) -> dict[str, int]:
     return fields
 
 
-def start_server(cpu: int | None, log_level: str) -> tuple[subprocess.Popen, int]:
+def start_server(cpu: int | None, log_level: str, store_args: list[str]) -> tuple[subprocess.Popen, int]:
     # A long lease: the clients here do not renew, and every member must stay.
-    argv = [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", log_level, "--lease-ttl-s", "600"]
+    argv = [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", log_level, "--lease-ttl-s", "600", *store_args]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, text=True,
         preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})),
@@ -89,8 +90,8 @@ async def settled_rss(pid: int) -> int:
     return last
 
 
-async def measure(n: int, pin: bool, log_level: str) -> dict[str, float]:
-    proc, port = start_server(0 if pin else None, log_level)
+async def measure(n: int, pin: bool, log_level: str, store_args: list[str]) -> dict[str, float]:
+    proc, port = start_server(0 if pin else None, log_level, store_args)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.RendezvousStub(channel)
@@ -121,6 +122,7 @@ def main() -> None:
     p.add_argument("sizes", nargs="*", type=int, default=[100, 1000, 10000])
     p.add_argument("--no-pin", action="store_true")
     p.add_argument("--log-level", default="warning", help="the server's; at info it logs a line per join (to this stderr)")
+    p.add_argument("--store", choices=["sqlite", "memory"], default="sqlite", help="the server's store (default: sqlite, as deployed)")
     args = p.parse_args()
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
     if pin:
@@ -128,15 +130,21 @@ def main() -> None:
     # The load generator stands for N processes; don't let its GC dominate.
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
-    print(f"# {os.cpu_count()} CPUs; server pinned to CPU 0, clients to CPU 1: {pin}; {WORKERS_PER_NODE} workers per node")
+    print(f"# {os.cpu_count()} CPUs; server pinned to CPU 0, clients to CPU 1: {pin}; {WORKERS_PER_NODE} workers per node; store: {args.store}")
     print(f"{'workers':>8} {'first join -> last assignment':>30} {'worst of 3':>11}  RSS growth per member: {'peak':>9} {'after':>9} {'warm':>9}  {'server RSS':>10}")
-    for n in args.sizes:
-        r = asyncio.run(measure(n, pin, args.log_level))
-        print(
-            f"{r['n']:>8} {r['seconds']:>28.3f} s {r['worst']:>9.3f} s {'':>23}{r['peak_kib']:>5.1f} KiB {r['after_kib']:>5.1f} KiB"
-            f" {r['warm_kib']:>5.1f} KiB {r['rss_mib']:>6.1f} MiB",
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory() as state_dir:
+        for n in args.sizes:
+            store_args = ["--store", args.store, "--state-dir", os.path.join(state_dir, str(n))]
+            run(n, pin, args.log_level, store_args)
+
+
+def run(n: int, pin: bool, log_level: str, store_args: list[str]) -> None:
+    r = asyncio.run(measure(n, pin, log_level, store_args))
+    print(
+        f"{r['n']:>8} {r['seconds']:>28.3f} s {r['worst']:>9.3f} s {'':>23}{r['peak_kib']:>5.1f} KiB {r['after_kib']:>5.1f} KiB"
+        f" {r['warm_kib']:>5.1f} KiB {r['rss_mib']:>6.1f} MiB",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

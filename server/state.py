@@ -48,7 +48,7 @@ from .assignment import MemberSpec, PlanError, Placement, WorldPlan, node_sort_k
 from .errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration, WaitTimeout
 from .groups import expand
 from .spec import JobSpec
-from .store import MemoryStore, Store, StoredJob, StoredMember
+from .store import NullStore, Store, StoredJob, StoredMember
 from .telemetry import Events
 
 
@@ -269,7 +269,7 @@ class Rendezvous:
         self._clock = clock
         self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
         self._events = events or Events()
-        self._store = store or MemoryStore()
+        self._store = store or NullStore()
         self._jobs: dict[str, _Job] = {}
         self._seq = 0
         # Jobs that failed, kept a while after their last worker left so that
@@ -460,6 +460,7 @@ class Rendezvous:
             self._store.save_member(job.job_id, m.stored(mid))
             if previous is not None and m.outbox is not None:
                 job.push(m, self._assignment(job, mid, previous))
+        self._store.flush()  # the world is durable before anyone is told of it
         self._events.formed(job.job_id, job.generation, plan.world_size, plan.num_nodes, now - job.forming_since)
         job.forming_since = now
         job.notify()
