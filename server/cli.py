@@ -207,6 +207,10 @@ def job_detail(d: pb.JobDescription) -> str:
     ]
     if d.reason:
         lines.append(f"why: {d.reason}")
+    if d.waiting:
+        lines.append(f"waiting for the next generation: {d.waiting} workers")
+    if d.not_ready:
+        lines.append(f"survivors that have not re-armed: {d.not_ready}")
     if d.missing_nodes:
         lines.append(f"node keys that have not shown up: {', '.join(d.missing_nodes)}")
     formed = d.state == pb.JobDescription.FORMED

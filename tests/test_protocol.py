@@ -10,6 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .conftest import eventually, join_request
@@ -334,3 +336,97 @@ async def test_unsatisfiable_layout_fails_everyone_and_describe_says_why(stub):
     bad = req(9, "a")
     bad.spec.layout.tp = 3
     await expect_error(stub.Join(bad), Code.FAILED_PRECONDITION, "world_size 4 is not divisible by tp×cp×ep×pp = 3×1×1×1 = 3")
+
+
+async def next_event(call) -> pb.SessionEvent:
+    return await asyncio.wait_for(call.read(), 10)
+
+
+async def test_session_for_an_unknown_member_says_gone_without_an_error(stub):
+    call = stub.Session()
+    await call.write(pb.SessionRequest(job_id="nope", member_id="abcd"))
+    event = await next_event(call)
+    assert event.WhichOneof("event") == "gone" and "no job 'nope'" in event.gone
+    assert await call.read() == grpc.aio.EOF
+    assert await call.code() == Code.OK
+
+
+async def test_sessions_push_world_changes_and_new_assignments(stub):
+    spec = pb.JobSpec(world_size=2, elastic=pb.Elastic(min_size=1, last_call_ms=0))
+
+    def req(node, port):
+        r = join_request("grow", 2, node, port, master_port=port)
+        r.spec.CopyFrom(spec)
+        return r
+
+    a = await stub.Join(req("n0", 1111))
+    assert (a.assignment.generation, a.assignment.world_size) == (1, 1)  # min 1, no last call: formed alone
+    session = stub.Session()
+    await session.write(pb.SessionRequest(job_id="grow", member_id=a.member_id, generation=1))
+    assert (await next_event(session)).lease_ttl_ms == 5000
+    b_call = asyncio.ensure_future(stub.Join(req("n1", 2222)))
+    change = await next_event(session)
+    assert change.world_changed.generation == 1 and "1 worker waiting to join" in change.world_changed.reason
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="grow"))
+    assert (d.state, d.not_ready, d.joined) == (pb.JobDescription.FORMING, 1, 2)
+    await session.write(pb.SessionRequest(job_id="grow", member_id=a.member_id, generation=1, ready_port=3333))
+    pushed = (await next_event(session)).assignment
+    b = (await b_call).assignment
+    assert (pushed.generation, pushed.rank, pushed.previous_rank, pushed.world_size) == (2, 0, 0, 2)
+    assert pushed.master_port == 3333 == b.master_port  # rank 0 serves the new store on its fresh port
+    assert (b.generation, b.rank) == (2, 1) and not b.HasField("previous_rank")
+    assert set(pushed.changed_groups) == {"GLOBAL", "INTER_NODE"}
+    await session.done_writing()
+    assert await session.read() == grpc.aio.EOF
+
+
+async def test_a_reconnecting_session_catches_up(stub):
+    spec = pb.JobSpec(world_size=2, elastic=pb.Elastic(min_size=1, last_call_ms=0))
+    r = join_request("catch", 2, "n0", 1)
+    r.spec.CopyFrom(spec)
+    a = await stub.Join(r)
+    r2 = join_request("catch", 2, "n1", 2)
+    r2.spec.CopyFrom(spec)
+    b_call = asyncio.ensure_future(stub.Join(r2))  # the world changes while a has no session
+    await eventually(lambda: _joined(stub, "catch", 2))
+    session = stub.Session()
+    await session.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, generation=1))
+    assert (await next_event(session)).HasField("lease_ttl_ms")
+    assert (await next_event(session)).HasField("world_changed")  # replayed on connect
+    await session.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, generation=1, ready_port=4444))
+    assert (await next_event(session)).assignment.generation == 2
+    assert (await b_call).assignment.generation == 2
+    session.cancel()
+
+
+async def test_a_member_that_stops_renewing_expires_and_survivors_are_told():
+    from commctx.server import start_server
+
+    server = await start_server("127.0.0.1", 0, lease_ttl_s=0.5)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            spec = pb.JobSpec(world_size=2, elastic=pb.Elastic(min_size=1, last_call_ms=10_000))  # forms at 2 at once
+            reqs = [join_request("exp", 2, "n", i) for i in range(2)]
+            for r in reqs:
+                r.spec.CopyFrom(spec)
+            a, b = await asyncio.gather(*(stub.Join(r) for r in reqs))
+            session = stub.Session()
+            await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1))
+            await next_event(session)
+
+            async def renew():
+                while True:
+                    await asyncio.sleep(0.1)
+                    await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1))
+
+            renewer = asyncio.ensure_future(renew())
+            change = await next_event(session)  # b never renews
+            assert f"member {b.member_id}" in change.world_changed.reason and "expired" in change.world_changed.reason
+            renewer.cancel()
+            await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1, ready_port=5555))
+            alone = (await next_event(session)).assignment
+            assert (alone.generation, alone.world_size, alone.rank) == (2, 1, 0)
+            session.cancel()
+    finally:
+        await server.stop(0)
