@@ -102,7 +102,8 @@ class Telemetry(Events):
 
     def joined(self, job_id, member_id, node_key, role, joined, world_size):
         self.joins.inc()
-        event("join", job=job_id, member=member_id, node=node_key, role=role, joined=joined, world_size=world_size)
+        if log.isEnabledFor(logging.INFO):  # checked here: this runs once per worker of every job
+            event("join", job=job_id, member=member_id, node=node_key, role=role, joined=joined, world_size=world_size)
 
     def formed(self, job_id, generation, world_size, nodes, seconds):
         self.worlds.inc()
