@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -26,6 +22,8 @@ import grpc
 
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from harness import pin_load_generator, server, tune_gc
 
 
 class Member:
@@ -71,47 +69,37 @@ class Member:
 
 
 async def main_async(n: int, ttl: float) -> None:
-    with tempfile.TemporaryDirectory() as state:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
-             "--lease-ttl-s", str(ttl), "--state-dir", state],
-            stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}),
-        )
-        try:
-            port = int(server.stdout.readline().rsplit(":", 1)[1])
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb_grpc.RendezvousStub(channel)
-                spec = pb.JobSpec(world_size=n, elastic=pb.Elastic(min_size=n - 1, last_call_ms=60_000))
-                joined = await asyncio.gather(*(
-                    stub.Join(pb.JoinRequest(job_id="failover", spec=spec, node_key=f"node{i // 8}", address="127.0.0.1",
-                                             master_port=20000 + i, wait_timeout_ms=120_000))
-                    for i in range(n)
-                ))
-                members = [Member(stub, "failover", r.member_id, ttl) for r in joined]
-                tasks = [asyncio.ensure_future(m.run(ttl / 3 * i / n)) for i, m in enumerate(members)]
-                await asyncio.sleep(ttl / 3 + 1)  # everyone has renewed at least once
-                victim = members[n // 2]
-                victim.alive = False  # dies after its next renewal
-                while victim.call is not None and not victim.call.done():
-                    await asyncio.sleep(0.01)
-                died = victim.last_renewal
-                survivors = [m for m in members if m is not victim]
-                deadline = time.monotonic() + ttl + 30
-                while any(m.assigned_at is None for m in survivors) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-                missing = sum(m.assigned_at is None for m in survivors)
-                told = max(m.changed_at for m in survivors if m.changed_at) - died
-                done = max(m.assigned_at for m in survivors if m.assigned_at) - died
-                print(f"{n} members, lease TTL {ttl:g} s: survivors told {told:.3f} s after the dead member's last renewal; "
-                      f"all {n - 1 - missing} hold generation 2 after {done:.3f} s (TTL + {done - ttl:.3f} s)")
-                for m in members:
-                    m.alive = False
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            server.terminate()
-            server.wait(10)
+    with tempfile.TemporaryDirectory() as state, server("--log-level", "warning", "--lease-ttl-s", str(ttl), "--state-dir", state) as (_, port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            spec = pb.JobSpec(world_size=n, elastic=pb.Elastic(min_size=n - 1, last_call_ms=60_000))
+            joined = await asyncio.gather(*(
+                stub.Join(pb.JoinRequest(job_id="failover", spec=spec, node_key=f"node{i // 8}", address="127.0.0.1",
+                                         master_port=20000 + i, wait_timeout_ms=120_000))
+                for i in range(n)
+            ))
+            members = [Member(stub, "failover", r.member_id, ttl) for r in joined]
+            tasks = [asyncio.ensure_future(m.run(ttl / 3 * i / n)) for i, m in enumerate(members)]
+            await asyncio.sleep(ttl / 3 + 1)  # everyone has renewed at least once
+            victim = members[n // 2]
+            victim.alive = False  # dies after its next renewal
+            while victim.call is not None and not victim.call.done():
+                await asyncio.sleep(0.01)
+            died = victim.last_renewal
+            survivors = [m for m in members if m is not victim]
+            deadline = time.monotonic() + ttl + 30
+            while any(m.assigned_at is None for m in survivors) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            missing = sum(m.assigned_at is None for m in survivors)
+            told = max(m.changed_at for m in survivors if m.changed_at) - died
+            done = max(m.assigned_at for m in survivors if m.assigned_at) - died
+            print(f"{n} members, lease TTL {ttl:g} s: survivors told {told:.3f} s after the dead member's last renewal; "
+                  f"all {n - 1 - missing} hold generation 2 after {done:.3f} s (TTL + {done - ttl:.3f} s)")
+            for m in members:
+                m.alive = False
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def main() -> None:
@@ -119,10 +107,8 @@ def main() -> None:
     p.add_argument("--members", type=int, default=1000)
     p.add_argument("--lease-ttl-s", type=float, default=10.0)
     args = p.parse_args()
-    if len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {1})
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
+    pin_load_generator()
+    tune_gc()
     asyncio.run(main_async(args.members, args.lease_ttl_s))
 
 

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -34,31 +31,9 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from harness import memory_kib, pin_load_generator, server, tune_gc
+
 WORKERS_PER_NODE = 8
-
-
-def rss_kib(pid: int) -> dict[str, int]:
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0])
-    return fields
-
-
-def start_server(cpu: int | None, log_level: str, store_args: list[str]) -> tuple[subprocess.Popen, int]:
-    # A long lease: the clients here do not renew, and every member must stay.
-    argv = [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", log_level, "--lease-ttl-s", "600", *store_args]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, text=True,
-        preexec_fn=None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu})),
-    )
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"server did not start: {line!r}")
-    return proc, int(line.rsplit(":", 1)[1])
 
 
 async def run_job(stub: pb_grpc.RendezvousStub, job_id: str, n: int) -> float:
@@ -79,10 +54,10 @@ async def run_job(stub: pb_grpc.RendezvousStub, job_id: str, n: int) -> float:
 
 async def settled_rss(pid: int) -> int:
     """RSS once it stops moving: the server finishes each RPC shortly after the client has its answer."""
-    last, still = rss_kib(pid)["VmRSS"], 0
+    last, still = memory_kib(pid)["VmRSS"], 0
     for _ in range(100):
         await asyncio.sleep(0.1)
-        now = rss_kib(pid)["VmRSS"]
+        now = memory_kib(pid)["VmRSS"]
         still = still + 1 if abs(now - last) < 64 else 0
         last = now
         if still >= 5:
@@ -91,14 +66,14 @@ async def settled_rss(pid: int) -> int:
 
 
 async def measure(n: int, pin: bool, log_level: str, store_args: list[str]) -> dict[str, float]:
-    proc, port = start_server(0 if pin else None, log_level, store_args)
-    try:
+    # A long lease: the clients here do not renew, and every member must stay.
+    with server("--log-level", log_level, "--lease-ttl-s", "600", *store_args, cpu=0 if pin else None) as (proc, port):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.RendezvousStub(channel)
             await run_job(stub, "warmup", 16)
             r0 = await settled_rss(proc.pid)
             times = [await run_job(stub, "a", n)]
-            peak = rss_kib(proc.pid)["VmHWM"]
+            peak = memory_kib(proc.pid)["VmHWM"]
             r1 = await settled_rss(proc.pid)
             times.append(await run_job(stub, "b", n))
             r2 = await settled_rss(proc.pid)
@@ -112,9 +87,6 @@ async def measure(n: int, pin: bool, log_level: str, store_args: list[str]) -> d
             "warm_kib": (r2 - r1) / n,
             "rss_mib": r2 / 1024,
         }
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def main() -> None:
@@ -124,12 +96,8 @@ def main() -> None:
     p.add_argument("--log-level", default="warning", help="the server's; at info it logs a line per join (to this stderr)")
     p.add_argument("--store", choices=["sqlite", "memory"], default="sqlite", help="the server's store (default: sqlite, as deployed)")
     args = p.parse_args()
-    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
-    if pin:
-        os.sched_setaffinity(0, {1})
-    # The load generator stands for N processes; don't let its GC dominate.
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
+    pin = not args.no_pin and pin_load_generator()
+    tune_gc()
     print(f"# {os.cpu_count()} CPUs; server pinned to CPU 0, clients to CPU 1: {pin}; {WORKERS_PER_NODE} workers per node; store: {args.store}")
     print(f"{'workers':>8} {'first join -> last assignment':>30} {'worst of 3':>11}  RSS growth per member: {'peak':>9} {'after':>9} {'warm':>9}  {'server RSS':>10}")
     with tempfile.TemporaryDirectory() as state_dir:

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -26,17 +22,7 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-
-def cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_kib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1])
-    return 0
+from harness import cpu_s, memory_kib, pin_load_generator, server, tune_gc
 
 
 async def member(stub, job: str, member_id: str, ttl: float, delay: float, renewals: list[int], stop: asyncio.Event) -> None:
@@ -56,40 +42,30 @@ async def member(stub, job: str, member_id: str, ttl: float, delay: float, renew
 
 
 async def main_async(n: int, ttl: float, seconds: float) -> None:
-    with tempfile.TemporaryDirectory() as state:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
-             "--lease-ttl-s", str(ttl), "--state-dir", state],
-            stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}),
-        )
-        try:
-            port = int(server.stdout.readline().rsplit(":", 1)[1])
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb_grpc.RendezvousStub(channel)
-                joined = await asyncio.gather(*(
-                    stub.Join(pb.JoinRequest(job_id="ka", spec=pb.JobSpec(world_size=n), node_key=f"node{i // 8}",
-                                             address="127.0.0.1", master_port=20000 + i % 40000, wait_timeout_ms=120_000))
-                    for i in range(n)
-                ))
-                before_sessions = rss_kib(server.pid)
-                stop, renewals = asyncio.Event(), [0]
-                tasks = [asyncio.ensure_future(member(stub, "ka", r.member_id, ttl, ttl / 3 * i / n, renewals, stop))
-                         for i, r in enumerate(joined)]
-                await asyncio.sleep(ttl / 3 + 2)  # all open, renewals spread out
-                with_sessions = rss_kib(server.pid)
-                c0, r0, t0 = cpu_s(server.pid), renewals[0], time.monotonic()
-                await asyncio.sleep(seconds)
-                c1, r1, t1 = cpu_s(server.pid), renewals[0], time.monotonic()
-                stop.set()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="ka"))
-            rate = (r1 - r0) / (t1 - t0)
-            print(f"{n} members, lease TTL {ttl:g} s: {rate:.0f} renewals/s; server CPU {100 * (c1 - c0) / (t1 - t0):.1f} % of one core "
-                  f"over {t1 - t0:.0f} s; {d.joined} members still held; RSS with sessions open "
-                  f"{with_sessions / 1024:.0f} MiB (+{(with_sessions - before_sessions) / n:.1f} KiB per session)")
-        finally:
-            server.terminate()
-            server.wait(10)
+    with tempfile.TemporaryDirectory() as state, server("--log-level", "warning", "--lease-ttl-s", str(ttl), "--state-dir", state) as (proc, port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            joined = await asyncio.gather(*(
+                stub.Join(pb.JoinRequest(job_id="ka", spec=pb.JobSpec(world_size=n), node_key=f"node{i // 8}",
+                                         address="127.0.0.1", master_port=20000 + i % 40000, wait_timeout_ms=120_000))
+                for i in range(n)
+            ))
+            before_sessions = memory_kib(proc.pid)["VmRSS"]
+            stop, renewals = asyncio.Event(), [0]
+            tasks = [asyncio.ensure_future(member(stub, "ka", r.member_id, ttl, ttl / 3 * i / n, renewals, stop))
+                     for i, r in enumerate(joined)]
+            await asyncio.sleep(ttl / 3 + 2)  # all open, renewals spread out
+            with_sessions = memory_kib(proc.pid)["VmRSS"]
+            c0, r0, t0 = cpu_s(proc.pid), renewals[0], time.monotonic()
+            await asyncio.sleep(seconds)
+            c1, r1, t1 = cpu_s(proc.pid), renewals[0], time.monotonic()
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="ka"))
+        rate = (r1 - r0) / (t1 - t0)
+        print(f"{n} members, lease TTL {ttl:g} s: {rate:.0f} renewals/s; server CPU {100 * (c1 - c0) / (t1 - t0):.1f} % of one core "
+              f"over {t1 - t0:.0f} s; {d.joined} members still held; RSS with sessions open "
+              f"{with_sessions / 1024:.0f} MiB (+{(with_sessions - before_sessions) / n:.1f} KiB per session)")
 
 
 def main() -> None:
@@ -98,10 +74,8 @@ def main() -> None:
     p.add_argument("--lease-ttl-s", type=float, default=10.0)
     p.add_argument("--seconds", type=float, default=20.0)
     args = p.parse_args()
-    if len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {1})
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
+    pin_load_generator()
+    tune_gc()
     asyncio.run(main_async(args.members, args.lease_ttl_s, args.seconds))
 
 

@@ -184,7 +184,7 @@ _STATE = {pb.JobDescription.FORMING: "forming", pb.JobDescription.FORMED: "forme
           pb.JobDescription.ENDED: "ended"}
 
 
-def _roles(n: pb.NodeDescription) -> str:
+def _role_counts(n: pb.NodeDescription) -> str:
     return ",".join(f"{r.role or '-'}:{r.count}" for r in n.roles)
 
 
@@ -215,7 +215,7 @@ def job_detail(d: pb.JobDescription) -> str:
         lines.append(f"node keys that have not shown up: {', '.join(d.missing_nodes)}")
     formed = d.state == pb.JobDescription.FORMED
     rows = [("NODE_RANK" if formed else "", "NODE_KEY", "ADDRESS", "WORKERS", "ROLES")]
-    rows += [(str(n.node_rank) if formed else "", n.node_key, n.address, str(n.workers), _roles(n)) for n in d.nodes]
+    rows += [(str(n.node_rank) if formed else "", n.node_key, n.address, str(n.workers), _role_counts(n)) for n in d.nodes]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).strip() for r in rows]
     return "\n".join(lines)

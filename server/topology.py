@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Sequence
 
 from .groups import Family, GroupSpec, PlanError, RankRun, compress
-from .spec import DIM_MODES, JobSpec, Layout, NamedGroups, RoleGroup, WeightTransfer
+from .spec import DIM_MODES, JobSpec, Layout, NamedGroups, RoleGroup
 
 
 def layout_groups(layout: Layout, dim: str) -> list[GroupSpec]:

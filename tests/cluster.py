@@ -114,7 +114,7 @@ def worker(server: str, job: str, world_size: int, *, node_key: str | None = Non
     if spec:
         argv += ["--spec", json.dumps(spec)]
     if hostname:  # a host of its own: private UTS namespace with its own hostname
-        argv = ["unshare", "--uts", "sh", "-c", f'hostname "$0" && exec "$@"', hostname, *argv]
+        argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
     return Proc(argv, name)

@@ -46,6 +46,16 @@ def test_rl_world_as_json_through_the_console_script(tmp_path):
     assert plan["roots"] == {"WEIGHT_TRANSFER": [1, 4]}
 
 
+def test_roles_and_layout_from_flags(capsys):
+    assert main(["plan", "--nodes", "2", "--per-node", "2", "--roles", "trainer:2,rollout:2",
+                 "--node-roles", "trainer,rollout", "--tp", "2", "--within-node", "tp", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [r["role"] for r in plan["ranks"]] == ["trainer", "rollout", "trainer", "rollout"]
+    assert plan["groups"]["TENSOR_PARALLEL"] == [[0, 1], [2, 3]]
+    assert main(["plan", "--nodes", "1", "--per-node", "2", "--roles", "trainer:3"]) == 1
+    assert "role counts add up to 3 (trainer 3) but world_size is 2" in capsys.readouterr().err
+
+
 def test_a_world_that_cannot_form_says_why(capsys):
     assert main(["plan", "--local-sizes", "3,3", "--tp", "2", "--within-node", "tp"]) == 1
     err = capsys.readouterr().err
