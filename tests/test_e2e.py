@@ -204,3 +204,18 @@ def test_rl_trainers_and_rollouts_across_two_hosts(hosts):
             w.send("destroy")
         for w in workers:
             assert w.event(60)["event"] == "destroyed"
+
+
+def test_two_jobs_whose_rank_0_share_a_host_do_not_collide():
+    """Each rank 0 serves its job's store on a port it has held since it joined."""
+    server = Server("127.0.0.1")
+    workers = [worker(server.address, job, 1, name=job) for job in ("job-x", "job-y")]
+    with running([server, *workers]):
+        results = [w.event(120) for w in workers]
+        assert [r["rank"] for r in results] == [0, 0]
+        ports = {r["env"]["MASTER_PORT"] for r in results}
+        assert len(ports) == 2
+        for w in workers:
+            w.send("destroy")
+        for w in workers:
+            assert w.event(60)["event"] == "destroyed"
