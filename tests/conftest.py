@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -12,6 +14,11 @@ import pytest
 from commctx.server import start_server
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+# The console scripts this suite runs (commctx, commctx-server, grpcurl,
+# hadolint, check-jsonschema) live beside the interpreter running it, e.g.
+# .venv/bin, which is not on PATH when pytest is started as .venv/bin/python.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
 @pytest.fixture
