@@ -11,12 +11,16 @@ import sys
 from collections.abc import Iterator
 
 
+# Decided once, before this process pins itself: afterwards its own affinity
+# would say there is one CPU, and the server would inherit the client's core.
+CAN_PIN = len(os.sched_getaffinity(0)) >= 2
+
+
 def pin_load_generator() -> bool:
     """Moves this process to CPU 1 (the server gets CPU 0) when there are two."""
-    if len(os.sched_getaffinity(0)) < 2:
-        return False
-    os.sched_setaffinity(0, {1})
-    return True
+    if CAN_PIN:
+        os.sched_setaffinity(0, {1})
+    return CAN_PIN
 
 
 def tune_gc() -> None:
@@ -29,7 +33,7 @@ def tune_gc() -> None:
 def server(*args: str, cpu: int | None = 0) -> Iterator[tuple[subprocess.Popen, int]]:
     """`python -m commctx.server` on a free port, pinned to `cpu`; yields (process, port)."""
     argv = [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", *args]
-    pin = None if cpu is None or len(os.sched_getaffinity(0)) < 2 else (lambda: os.sched_setaffinity(0, {cpu}))
+    pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None and CAN_PIN else None
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
     try:
         line = proc.stdout.readline()

@@ -313,7 +313,8 @@ class CommContext:
         return self
 
     def _leave_world(self) -> None:
-        if dist.is_initialized():
+        """Destroys this context's process groups (no barrier) and forgets them."""
+        if self.is_initialized() and dist.is_initialized():
             _destroy_process_group(DESTROY_TIMEOUT_S)
         self._store = None
         for table in (self._local_ranks, self._global_ranks, self._world_sizes, self._ranks_in_group, self._groups):
@@ -518,9 +519,7 @@ class CommContext:
         """
         if self._session is not None:
             self._session.close()
-        if self.is_initialized() and dist.is_initialized():
-            _destroy_process_group(DESTROY_TIMEOUT_S)
-        self._store = None
+        self._leave_world()
         self._restore_env()
         self._clear()
         with CommContext._instance_lock:

@@ -29,12 +29,15 @@ class RendezvousError(CommCtxError):
     Attributes:
         code: the gRPC status code name, e.g. "FAILED_PRECONDITION".
         details: the server's message.
+        reason: the server's name for the error (e.g. "WaitTimeout"), or ""
+            when the call failed before the server answered.
     """
 
-    def __init__(self, code: str, details: str) -> None:
+    def __init__(self, code: str, details: str, reason: str = "") -> None:
         super().__init__(f"{code}: {details}")
         self.code = code
         self.details = details
+        self.reason = reason
 
 
 class InvalidRequest(RendezvousError):

@@ -100,8 +100,7 @@ class Session:
                 break
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc)
-            server_said_timeout = isinstance(err, RendezvousTimeout) and "did not form" in err.details
-            if err.code not in _TRANSIENT or server_said_timeout:
+            if err.code not in _TRANSIENT or err.reason == "WaitTimeout":  # the server's own answer: final
                 raise err
             if time.monotonic() + 0.05 >= deadline:
                 raise ServerUnavailable(err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s:g} s ({err.details})")

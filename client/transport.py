@@ -35,7 +35,7 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.RendezvousError:
     if hasattr(exc, "trailing_metadata"):
         name = dict(exc.trailing_metadata() or ()).get(ERROR_KEY, "")
     cls = _BY_NAME.get(name) or _BY_CODE.get(code, errors.RendezvousError)
-    return cls(code.name, details)
+    return cls(code.name, details, name)
 
 
 def split_address(server_addr: str) -> tuple[str, int]:

@@ -76,7 +76,7 @@ class RendezvousServer:
 async def _reap(rendezvous: Rendezvous, expire_every_s: float) -> None:
     """Expires leases and forms elastic worlds whose last call has passed.
 
-    One task for every job: 20 ticks a second check the last calls; leases are
+    One task for all jobs: 20 ticks a second check the last calls; leases are
     scanned every `expire_every_s` (at most a quarter of the TTL).
     """
     loop = asyncio.get_running_loop()

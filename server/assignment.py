@@ -236,8 +236,8 @@ def plan_world(members: Sequence[MemberSpec], spec: JobSpec) -> WorldPlan:
         roles = tuple(role_by_rank)
         keys, sizes = [n.node_key for n in nodes], [n.size for n in nodes]
         if spec.layout is not None:
-            check_within_node(spec.layout, first_ranks, keys, sizes)
             families += layout_families(spec.layout, world_size)
+            check_within_node(spec.layout, families, first_ranks, keys, sizes)
         families += rule_families(spec, keys, first_ranks, sizes, roles)
     global_group = GroupSpec(GLOBAL, 0, (RankRun(0, world_size, 1),), world_size)
     intra = tuple(GroupSpec(INTRA_NODE, n.node_rank, (RankRun(n.first_rank, n.size, 1),), n.size) for n in nodes)

@@ -31,7 +31,7 @@ from .errors import (
     Unavailable,
     WaitTimeout,
 )
-from .spec import JobSpec, spec_from_proto, spec_to_proto
+from .spec import NODE_KEY, JobSpec, role_of, spec_from_proto, spec_to_proto
 from .state import Assignment, Gone, JobState, JobView, JoinParams, Rendezvous, SessionEvent, WorldChange
 from .telemetry import Events
 
@@ -49,10 +49,8 @@ STATUS_OF: dict[type[RendezvousError], grpc.StatusCode] = {
 }
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 _MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
 _CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
-_ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _STATE = {
     JobState.FORMING: pb.JobDescription.FORMING,
     JobState.FORMED: pb.JobDescription.FORMED,
@@ -89,13 +87,13 @@ def join_params(r: pb.JoinRequest) -> JoinParams:
     """
     job_id = job_id_of(r.job_id)
     node_key = _name(
-        "node_key", r.node_key, _NODE_KEY, 253,
+        "node_key", r.node_key, NODE_KEY, 253,
         "use letters, digits, '.', '_', ':' and '-', starting with a letter or digit",
     )
     spec = _spec(r.spec.SerializeToString(deterministic=True))
     world_size = spec.world_size
-    if r.role and not _ROLE.fullmatch(r.role):
-        raise InvalidArgument(f"role {r.role[:70]!r} is malformed: 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit")
+    if r.role:
+        role_of(r.role)
     address, loopback = _address(r.address)
     if not 1 <= r.master_port <= 65535:
         raise InvalidArgument(f"master_port {r.master_port} is out of range 1..65535")
@@ -255,9 +253,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._rdzv.withdraw(params.job_id, joined.member_id)
         await self._abort(context, "Join", error)
 
-    async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
+    async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> None:
         # The first message names the member; every message renews its lease.
-        # Events the state queues for the member are written as they come.
+        # Events the state queues for the member are written as they come
+        # (through context.read/write, so `requests` is not iterated).
         first = await context.read()
         if first is grpc.aio.EOF:
             return

@@ -28,8 +28,8 @@ DIM_MODES = {
 }
 BUILTIN_MODES = ("GLOBAL", "INTRA_NODE", "INTER_NODE")
 _MODE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
-_ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
+ROLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")  # at most 253 characters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +152,11 @@ def _name(kind: str, value: str, pattern: re.Pattern[str]) -> str:
     return value
 
 
+def role_of(value: str) -> str:
+    """Raises InvalidArgument unless `value` is a well-formed role name."""
+    return _name("role", value, ROLE)
+
+
 def _layout(world_size: int, p: pb.ParallelLayout, elastic_min: int | None = None) -> Layout:
     tokens = [t for t in (p.order or DEFAULT_ORDER).split("-")]
     for t in tokens:
@@ -199,7 +204,7 @@ def _layout(world_size: int, p: pb.ParallelLayout, elastic_min: int | None = Non
 def _roles(world_size: int, counts) -> tuple[tuple[str, int], ...]:
     roles = []
     for rc in counts:
-        _name("role", rc.role, _ROLE)
+        role_of(rc.role)
         if rc.count < 1:
             raise InvalidArgument(f"role {rc.role!r} has count {rc.count}; give 1 or more")
         roles.append((rc.role, rc.count))
@@ -218,7 +223,7 @@ def _rule(world_size: int, r: pb.GroupRule, declared: set[str]) -> Rule:
     kind = r.WhichOneof("kind")
 
     def known(role: str) -> str:
-        _name("role", role, _ROLE)
+        role_of(role)
         if declared and role not in declared:
             raise InvalidArgument(f"group {mode!r} names role {role!r}, which spec.roles does not declare")
         return role
@@ -274,7 +279,7 @@ def spec_from_proto(p: pb.JobSpec) -> JobSpec:
             raise InvalidArgument("role counts need a fixed world size: give either roles or elastic")
         last_call_s = p.elastic.last_call_ms / 1000 if p.elastic.HasField("last_call_ms") else 1.0
     for key in p.expected_nodes:
-        if not _NODE_KEY.fullmatch(key):
+        if len(key) > 253 or not NODE_KEY.fullmatch(key):
             raise InvalidArgument(f"expected_nodes entry {key[:70]!r} is not a valid node key")
     layout = _layout(world_size, p.layout, min_size) if p.HasField("layout") else None
     roles = _roles(world_size, p.roles)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import ipaddress
 import math
 import os
 import time
@@ -176,7 +177,7 @@ class _Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "world",
         "reason", "forming_since", "last_arrival", "loopback", "waiters", "timer", "timer_at", "role_counts",
-        "not_ready",
+        "not_ready", "placed",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -194,7 +195,8 @@ class _Job:
         self.last_arrival = now
         self.loopback = loopback
         self.role_counts: dict[str, int] = {}
-        self.not_ready = 0  # survivors that have not re-armed (a count: checked on every join)
+        self.not_ready = 0  # survivors that have not re-armed (counts: both are checked on every join)
+        self.placed = 0  # members with in_world set
         # Waiting Join calls and their deadlines. One timer per job, armed for
         # the earliest deadline, rather than one per worker: the loop's timer
         # heap is costly at ten thousand entries.
@@ -313,9 +315,24 @@ class Rendezvous:
             self._failed.pop(p.job_id, None)
             job = self._jobs[p.job_id] = _Job(p.job_id, p.spec, p.loopback, now)
             self._store.save_job(job.stored())
+        member_id = p.member_id or self._new_member_id()
+        self._seq += 1
+        member = self._add_member(job, member_id, p, self._seq)
+        job.last_arrival = now
+        self._store.save_member(job.job_id, member.stored(member_id))
+        self._events.joined(job.job_id, member_id, member.node_key, p.role, len(job.members), job.spec.world_size)
+        if job.state is JobState.FORMED:
+            waiting = len(job.members) - job.placed
+            self._reform(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world")
+        self._maybe_form(job)
+        return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members))
+
+    @staticmethod
+    def _add_member(job: _Job, member_id: str, p: JoinParams, seq: int) -> _Member:
+        """Enters a member in the job's node, rank and role bookkeeping (undone by _remove)."""
+        node = job.nodes.get(p.node_key)
         if node is None:
             node = job.nodes[p.node_key] = _Node(p.node_key, p.address)
-        member_id = p.member_id or self._new_member_id()
         if p.node_rank is not None and node.node_rank is None:
             node.node_rank = p.node_rank
             job.node_ranks[p.node_rank] = node.key
@@ -323,16 +340,8 @@ class Rendezvous:
             node.local_ranks[p.local_rank] = member_id
         node.workers += 1
         job.role_counts[p.role] = job.role_counts.get(p.role, 0) + 1
-        self._seq += 1
-        member = job.members[member_id] = _Member(node, p, self._seq)
-        job.last_arrival = now
-        self._store.save_member(job.job_id, member.stored(member_id))
-        self._events.joined(job.job_id, member_id, node.key, p.role, len(job.members), job.spec.world_size)
-        if job.state is JobState.FORMED:
-            waiting = len(job.members) - len(job.world)
-            self._reform(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world")
-        self._maybe_form(job)
-        return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members))
+        member = job.members[member_id] = _Member(node, p, seq)
+        return member
 
     def _reattach(self, job: _Job, p: JoinParams) -> Joined:
         member = job.members[p.member_id]
@@ -416,8 +425,7 @@ class Rendezvous:
             return None
         # The last call collects arrivals; survivors re-forming without
         # newcomers have nobody to wait for.
-        newcomers = n - sum(1 for m in job.members.values() if m.in_world)
-        if newcomers and self._clock() < job.last_arrival + spec.last_call_s:
+        if n > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
             return None
         return next((k for k in range(n, spec.min_size - 1, -1) if spec.admissible(k)), None)
 
@@ -450,10 +458,10 @@ class Rendezvous:
         job.generation += 1
         job.plan, job.world, job.reason = plan, tuple(inputs), ""
         placed = set(plan.ranks)
-        job.not_ready = 0
+        job.not_ready, job.placed = 0, len(placed)
         for mid, m in job.members.items():
             was_in_world, m.in_world, m.ready = m.in_world, mid in placed, True
-            if m.in_world and m.lease_deadline == math.inf or (m.in_world and not was_in_world):
+            if m.in_world and (not was_in_world or m.lease_deadline == math.inf):
                 m.lease_deadline = now + self.lease_ttl_s
         self._store.save_job(job.stored())
         for mid, m in chosen:
@@ -609,8 +617,8 @@ class Rendezvous:
 
     def _remove(self, job: _Job, member_id: str, why: str, *, wake: bool = True) -> None:
         member = job.members.pop(member_id)
-        if not member.ready:
-            job.not_ready -= 1
+        job.not_ready -= not member.ready
+        job.placed -= member.in_world
         self._events.removed(job.job_id, member_id, why)
         node = job.nodes[member.node_key]
         node.workers -= 1
@@ -672,23 +680,15 @@ class Rendezvous:
                 job.plan = plan_world(list(job.world), spec.at_size(len(job.world)))
             for sm in sorted(stored.members, key=lambda m: m.seq):
                 p = JoinParams(job.job_id, spec, sm.node_key, sm.address, sm.master_port, sm.local_rank, sm.node_rank, False, sm.role)
-                node = job.nodes.get(sm.node_key) or job.nodes.setdefault(sm.node_key, _Node(sm.node_key, sm.address))
-                if sm.node_rank is not None:
-                    node.node_rank = sm.node_rank
-                    job.node_ranks[sm.node_rank] = node.key
-                if sm.local_rank is not None:
-                    node.local_ranks[sm.local_rank] = sm.member_id
-                node.workers += 1
-                job.role_counts[sm.role] = job.role_counts.get(sm.role, 0) + 1
-                m = job.members[sm.member_id] = _Member(node, p, sm.seq)
+                m = self._add_member(job, sm.member_id, p, sm.seq)
                 m.in_world = sm.in_world
+                job.placed += sm.in_world
                 m.ready = not (job.state is JobState.FORMING and sm.in_world and job.generation > 0)
                 job.not_ready += not m.ready
                 m.lease_deadline = now + (self.lease_ttl_s if sm.in_world else 0) + grace_s
                 self._seq = max(self._seq, sm.seq)
             if job.members:
-                first = next(iter(job.members.values()))
-                job.loopback = first.address.startswith("127.") or first.address in ("::1",)
+                job.loopback = ipaddress.ip_address(next(iter(job.members.values())).address).is_loopback
                 self._jobs[job.job_id] = job
             else:
                 self._store.delete_job(job.job_id)

@@ -51,14 +51,16 @@ def layout_families(layout: Layout, world_size: int) -> list[Family]:
     return [_family(DIM_MODES[d], layout_groups(layout, d), world_size) for d, _ in sorted(layout.sizes, key=lambda ds: list(DIM_MODES).index(ds[0]))]
 
 
-def check_within_node(layout: Layout, first_ranks: Sequence[int], node_keys: Sequence[str], sizes: Sequence[int]) -> None:
+def check_within_node(layout: Layout, families: Sequence[Family], first_ranks: Sequence[int],
+                      node_keys: Sequence[str], sizes: Sequence[int]) -> None:
     """Raises PlanError when a group of a within-node dimension spans nodes."""
 
     def node_of(rank: int) -> int:
         return bisect.bisect_right(first_ranks, rank) - 1
 
+    by_mode = {f.mode: f.groups for f in families}
     for dim in layout.within_node:
-        for g in layout_groups(layout, dim):
+        for g in by_mode[DIM_MODES[dim]]:
             run = g.ranks[0]
             lo, hi = node_of(run.start), node_of(run.start + (run.count - 1) * run.stride)
             if lo != hi:

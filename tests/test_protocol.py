@@ -402,7 +402,7 @@ async def test_a_reconnecting_session_catches_up(stub):
 async def test_a_member_that_stops_renewing_expires_and_survivors_are_told():
     from commctx.server import start_server
 
-    server = await start_server("127.0.0.1", 0, lease_ttl_s=0.5)
+    server = await start_server("127.0.0.1", 0, lease_ttl_s=2.0)  # time for the survivor to open its session under load
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.RendezvousStub(channel)
