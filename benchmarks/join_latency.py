@@ -17,9 +17,9 @@ import argparse
 import multiprocessing as mp
 import socket
 import statistics
-import subprocess
-import sys
 import time
+
+from harness import server
 
 WORLD = 4
 
@@ -55,12 +55,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        address = server.stdout.readline().rsplit(" ", 1)[1].strip()
+    with server("--log-level", "warning", "--store", "memory", cpu=None) as (_, port):
+        address = f"127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
         barrier, results = ctx.Barrier(WORLD), ctx.Queue()
         ports = [free_port() for _ in range(args.rounds + 1)]
@@ -70,9 +66,6 @@ def main() -> None:
         rows = [results.get(timeout=120) for _ in range(2 * WORLD * (args.rounds + 1))]
         for proc in procs:
             proc.join(60)
-    finally:
-        server.terminate()
-        server.wait(10)
     for kind in ("bare", "join"):
         per_round = []
         for r in range(1, args.rounds + 1):
