@@ -40,6 +40,7 @@ class Assignment:
     role: str = ""
     changed_groups: tuple[str, ...] = ()  # modes whose group differs from the previous generation's
     previous_rank: int | None = None  # this worker's rank in the previous generation
+    reason: str = ""  # why this generation formed ("" for a job's first world)
 
     @classmethod
     def from_proto(cls, a: pb.Assignment, member_id: str) -> Assignment:
@@ -68,6 +69,7 @@ class Assignment:
             role=a.role,
             changed_groups=tuple(a.changed_groups),
             previous_rank=a.previous_rank if a.HasField("previous_rank") else None,
+            reason=a.reason,
         )
 
     def group(self, mode: str) -> GroupInfo | None:

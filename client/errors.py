@@ -29,8 +29,9 @@ class RendezvousError(CommCtxError):
     Attributes:
         code: the gRPC status code name, e.g. "FAILED_PRECONDITION".
         details: the server's message.
-        reason: the server's name for the error (e.g. "WaitTimeout"), or ""
-            when the call failed before the server answered.
+        reason: the server's reason for the error, a commctx.v1.ErrorReason
+            name (e.g. "RENDEZVOUS_TIMEOUT"), or "" when the call failed before
+            the server answered.
     """
 
     def __init__(self, code: str, details: str, reason: str = "") -> None:

@@ -1,13 +1,15 @@
-"""Communication modes: the keys under which CommContext holds its groups.
+"""Communication modes: the names groups are registered and planned under.
 
+The one definition of mode names for the client and the server's planner.
 Both enums are `str` enums whose values are the seed's string constants, so
 `CommMode.GLOBAL == ParallelMode.GLOBAL == "GLOBAL"` and any of the three finds
-the same group. Any other non-empty string names a user group.
+the same group. Any other well-formed string names a user group.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 
 
 class CommMode(str, enum.Enum):
@@ -42,6 +44,25 @@ class ParallelMode(str, enum.Enum):
 
 
 Mode = CommMode | ParallelMode | str
+
+GLOBAL, INTRA_NODE, INTER_NODE = (m.value for m in CommMode)
+BUILTIN_MODES = (GLOBAL, INTRA_NODE, INTER_NODE)
+# The parallel layout's dimensions, in canonical order, and the mode of each.
+LAYOUT_MODES = {
+    "tp": ParallelMode.TENSOR_PARALLEL.value,
+    "cp": ParallelMode.SEQUENCE_PARALLEL.value,
+    "ep": ParallelMode.EXPERT.value,
+    "dp": ParallelMode.DATA_PARALLEL.value,
+    "pp": ParallelMode.PIPELINE_PARALLEL.value,
+}
+# A mode a job may name in its spec: 1-64 characters, starting with a letter.
+MODE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+CPU_TWIN_SUFFIX = "_CPU"
+
+
+def cpu_twin(mode: str) -> str:
+    """The name a group's gloo twin is registered under."""
+    return mode + CPU_TWIN_SUFFIX
 
 
 def mode_key(mode: Mode | None) -> str:

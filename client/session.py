@@ -1,10 +1,12 @@
 """A worker's membership: join, wait for the assignment, then hold a session.
 
 The session is one bidirectional stream owned by one background thread: its
-messages renew the lease (every TTL/3), and on it the server pushes world
-changes and new assignments. If the server is unreachable the thread
-reconnects with exponential backoff and jitter; the running job is never
-disturbed and one warning is logged per outage. `close` stops and joins it.
+messages renew the lease (every TTL/3) and carry the worker's spare port; on
+it the server pushes the next generation's assignment when the world changes
+(preceded by a world_changed event only when the new world cannot form at
+once). If the server is unreachable the thread reconnects with exponential
+backoff and jitter; the running job is never disturbed and one warning is
+logged per outage. `close` stops and joins it.
 
 Join carries a client-chosen member id, so a Join retried after a broken call
 or a server restart re-attaches instead of joining twice.
@@ -32,6 +34,7 @@ from .transport import error_from_rpc, open_channel
 log = logging.getLogger("commctx")
 
 _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL")
+_TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 
@@ -62,7 +65,7 @@ class Session:
         self._ttl_s = 10.0
         self._lock = threading.Condition()
         self._generation = 0
-        self._ready_port = 0
+        self._spare_port = 0
         self._change: WorldChange | None = None
         self._next: Assignment | None = None  # a pushed assignment not yet taken
         self._callbacks: list[Callable[[WorldChange], None]] = []
@@ -77,6 +80,8 @@ class Session:
     def join(self, request: pb.JoinRequest, timeout_s: float) -> Assignment:
         """Joins and blocks until placed in a world, then starts the session.
 
+        `request.master_port` is the worker's first spare port.
+
         Retries (with backoff) while the server is unreachable, re-attaching to
         the same membership, until `timeout_s` has passed.
 
@@ -87,6 +92,7 @@ class Session:
         """
         request.member_id = self.member_id
         self._job_id = request.job_id
+        self._spare_port = request.master_port
         deadline = time.monotonic() + timeout_s
         attempt = 0
         while True:
@@ -100,7 +106,7 @@ class Session:
                 break
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc)
-            if err.code not in _TRANSIENT or err.reason == "WaitTimeout":  # the server's own answer: final
+            if err.code not in _TRANSIENT or err.reason == _TIMEOUT:  # the server's own answer: final
                 raise err
             if time.monotonic() + 0.05 >= deadline:
                 raise ServerUnavailable(err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s:g} s ({err.details})")
@@ -121,10 +127,10 @@ class Session:
         while True:
             with self._lock:
                 message = pb.SessionRequest(
-                    job_id=self._job_id, member_id=self.member_id, generation=self._generation, ready_port=self._ready_port
+                    job_id=self._job_id, member_id=self.member_id, generation=self._generation, spare_port=self._spare_port
                 )
             yield message
-            try:  # the next renewal after TTL/3, or at once when re-armed or stopping
+            try:  # the next renewal after TTL/3, or at once for a new spare port or to stop
                 self._wake.get(timeout=max(self._ttl_s / 3, 0.01))
             except queue.Empty:
                 pass
@@ -165,21 +171,13 @@ class Session:
         if kind == "lease_ttl_ms":
             self._ttl_s = event.lease_ttl_ms / 1000
         elif kind == "world_changed":
-            change = WorldChange(event.world_changed.generation, event.world_changed.reason)
-            with self._lock:
-                self._change = change
-                callbacks = list(self._callbacks)
-                self._lock.notify_all()
-            log.warning("the world of generation %d is changing: %s", change.generation, change.reason)
-            for callback in callbacks:
-                try:
-                    callback(change)
-                except Exception:  # a user's callback must not end the session
-                    log.exception("world-changed callback failed")
+            self._changed(WorldChange(event.world_changed.generation, event.world_changed.reason))
         elif kind == "assignment":
+            a = Assignment.from_proto(event.assignment, self.member_id)
             with self._lock:
-                self._next = Assignment.from_proto(event.assignment, self.member_id)
+                self._next = a
                 self._lock.notify_all()
+            self._changed(WorldChange(self._generation, a.reason))  # unless world_changed said so already
         elif kind == "gone":
             with self._lock:
                 self.lease_error = MemberNotFound("NOT_FOUND", event.gone)
@@ -188,6 +186,20 @@ class Session:
                 log.warning("membership of %s in job %r is over: %s", self.member_id, self._job_id, event.gone)
             return True
         return False
+
+    def _changed(self, change: WorldChange) -> None:
+        with self._lock:
+            if self._change is not None:
+                return
+            self._change = change
+            callbacks = list(self._callbacks)
+            self._lock.notify_all()
+        log.warning("the world of generation %d is changing: %s", change.generation, change.reason)
+        for callback in callbacks:
+            try:
+                callback(change)
+            except Exception:  # a user's callback must not end the session
+                log.exception("world-changed callback failed")
 
     # -- world changes --------------------------------------------------------------
 
@@ -207,21 +219,24 @@ class Session:
             self._lock.wait_for(lambda: self._change is not None or self.lease_error is not None, timeout_s)
             return self._change
 
-    def next_assignment(self, ready_port: int, timeout_s: float) -> Assignment:
-        """Re-arms with `ready_port` and waits for the next generation's assignment.
+    def offer_spare(self, port: int) -> None:
+        """Tells the server (now, not at the next renewal) of a new spare listening port."""
+        with self._lock:
+            self._spare_port = port
+        self._wake.put(True)
+
+    def next_assignment(self, timeout_s: float) -> Assignment:
+        """Waits for the next generation's assignment and takes it.
 
         Raises:
             MemberNotFound: the server says the member is gone or the job cannot continue.
             RendezvousTimeout: no new world within `timeout_s`.
         """
         with self._lock:
-            self._ready_port = ready_port
-        self._wake.put(True)  # tell the server now, not at the next renewal
-        with self._lock:
             self._lock.wait_for(lambda: self._next is not None or self.lease_error is not None, timeout_s)
             if self._next is not None:
                 self.assignment, self._next, self._change = self._next, None, None
-                self._generation, self._ready_port = self.assignment.generation, 0
+                self._generation = self.assignment.generation
                 return self.assignment
             if self.lease_error is not None:
                 raise self.lease_error

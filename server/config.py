@@ -125,9 +125,3 @@ def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = 
         except ValueError as exc:
             p.error(f"{source}={raw}: {exc}")
     return Config(**values)
-
-
-def health_address(env: Mapping[str, str] | None = None) -> str:
-    """Where this host's server answers health checks: 127.0.0.1 and COMMCTX_PORT."""
-    env = os.environ if env is None else env
-    return f"127.0.0.1:{env.get('COMMCTX_PORT') or 50051}"

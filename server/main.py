@@ -2,7 +2,8 @@
 
 On the first signal the server drains (health NOT_SERVING, new joins refused,
 in-flight calls finish within --grace-s) and exits 0; a second signal exits 1
-at once. Settings: see server/config.py or `commctx-server --help`.
+at once. A server whose store another server has taken over stops serving and
+exits 1. Settings: see server/config.py or `commctx-server --help`.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from collections.abc import Sequence
 
 import prometheus_client
 
-from .app import host_port, start_server
+from commctx.addresses import host_port
+
 from .config import Config, from_env
-from .store import SqliteStore
+from .rendezvous.sqlite import SqliteStore
+from .rendezvous.store import StoreError
+from .rpc.app import start_server
 from .telemetry import configure_logging
 
 log = logging.getLogger("commctx.server")
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config) -> int:
     store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
         config.host, config.port, lease_ttl_s=config.lease_ttl_s,
@@ -40,12 +44,19 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    signalled, deposed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.deposed.wait())
+    await asyncio.wait([signalled, deposed], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    deposed.cancel()
     log.info("draining", extra={"fields": {"grace_s": config.grace_s}})
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal: exit at once
         loop.add_signal_handler(sig, os._exit, 1)
     await server.stop(config.grace_s)
+    if server.deposed.is_set():
+        log.error("stopped", extra={"fields": {"reason": "another server took over the state store"}})
+        return 1
     log.info("stopped")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,8 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # gen-0 threshold (700) would run the collector thousands of times a burst.
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
-    asyncio.run(serve(config))
-    return 0
+    try:
+        return asyncio.run(serve(config))
+    except StoreError as exc:
+        print(f"commctx-server: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

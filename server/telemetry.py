@@ -1,13 +1,17 @@
 """What the server tells operators: one structured log line per membership
-event, and Prometheus metrics.
+event, Prometheus metrics, and the event loop's lag.
 
-The domain calls an `Events` object; `Telemetry` turns the calls into log lines
-(plain `key=value` text or JSON) and metrics. Nothing here is ever logged from
-request payloads beyond ids, node keys and counts.
+The state machine returns `Note`s; `Telemetry.record` turns each into a log
+line (plain `key=value` text or JSON) and metrics. Gauges are read from one
+snapshot the event loop takes on each scrape, never from live structures in
+the scraping thread. Nothing from request payloads is logged beyond ids, node
+keys and counts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import logging
 import time
@@ -17,25 +21,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from .rendezvous.model import Note, Stats
+
 log = logging.getLogger("commctx.server")
 
-
-class Events:
-    """Membership events; this base ignores them (for tests and embedding)."""
-
-    def joined(self, job_id: str, member_id: str, node_key: str, role: str, joined: int, world_size: int) -> None: ...
-
-    def formed(self, job_id: str, generation: int, world_size: int, nodes: int, seconds: float) -> None: ...
-
-    def failed(self, job_id: str, reason: str) -> None: ...
-
-    def reforming(self, job_id: str, generation: int, reason: str) -> None: ...
-
-    def ended(self, job_id: str, reason: str) -> None: ...
-
-    def removed(self, job_id: str, member_id: str, why: str) -> None: ...
-
-    def rpc_error(self, method: str, code: str) -> None: ...
+_LOG_EVENT = {"left": "leave", "expired": "expiry", "withdrawn": "withdrawn"}
 
 
 def event(name: str, level: int = logging.INFO, **fields: Any) -> None:
@@ -79,10 +69,42 @@ def configure_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
 
 
-class Telemetry(Events):
-    """Logs every event and counts it in a Prometheus registry."""
+class LoopLag:
+    """A timer that measures its own lateness: how long the event loop was
+    kept from running anything. Keeps the worst lag of each of the last ten
+    seconds."""
 
-    def __init__(self, registry: CollectorRegistry, stats: Callable[[], dict[str, float]]) -> None:
+    PERIOD_S = 0.05
+
+    def __init__(self, histogram: Histogram | None = None) -> None:
+        self._histogram = histogram
+        self._worst: collections.deque[tuple[int, float]] = collections.deque(maxlen=10)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            expected = loop.time() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            lag = max(0.0, loop.time() - expected)
+            if self._histogram is not None:
+                self._histogram.observe(lag)
+            second = int(time.monotonic())
+            if self._worst and self._worst[-1][0] == second:
+                if lag > self._worst[-1][1]:
+                    self._worst[-1] = (second, lag)
+            else:
+                self._worst.append((second, lag))
+
+    def worst(self, seconds: int = 10) -> float:
+        """The worst lag seen in the last `seconds` (at most 10)."""
+        since = int(time.monotonic()) - seconds
+        return max((lag for second, lag in self._worst if second > since), default=0.0)
+
+
+class Telemetry:
+    """Logs every note and counts it in a Prometheus registry."""
+
+    def __init__(self, registry: CollectorRegistry, stats: Callable[[], Stats]) -> None:
         self.registry = registry
         self.joins = Counter("commctx_joins", "Workers registered in a job", registry=registry)
         self.removed_members = Counter(
@@ -98,48 +120,54 @@ class Telemetry(Events):
             registry=registry,
         )
         self.errors = Counter("commctx_rpc_errors", "RPCs answered with an error, by method and status code", ["method", "code"], registry=registry)
-        registry.register(_StateCollector(stats))
+        lag = Histogram(
+            "commctx_event_loop_lag_seconds", "How late a 50 ms timer on the server's event loop fires",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=registry,
+        )
+        self.loop_lag = LoopLag(lag)
+        registry.register(_StateCollector(stats, self.loop_lag))
 
-    def joined(self, job_id, member_id, node_key, role, joined, world_size):
-        self.joins.inc()
-        if log.isEnabledFor(logging.INFO):  # checked here: this runs once per worker of every job
-            event("join", job=job_id, member=member_id, node=node_key, role=role, joined=joined, world_size=world_size)
+    def record(self, note: Note) -> None:
+        kind, fields = note
+        if kind == "join":
+            self.joins.inc()
+            if log.isEnabledFor(logging.INFO):  # checked here: this runs once per worker of every job
+                event("join", **fields)
+        elif kind == "removed":
+            self.removed_members.labels(fields["why"]).inc()
+            event(_LOG_EVENT.get(fields["why"], fields["why"]), job=fields["job"], member=fields["member"])
+        elif kind == "formed":
+            self.worlds.inc()
+            self.duration.observe(fields["seconds"])
+            event("formed", **fields)
+        elif kind == "reforming":
+            self.reforms.inc()
+            event("reforming", **fields)
+        elif kind == "failed":
+            self.failures.inc()
+            event("failed", logging.WARNING, **fields)
+        else:
+            event(kind, **fields)
 
-    def formed(self, job_id, generation, world_size, nodes, seconds):
-        self.worlds.inc()
-        self.duration.observe(seconds)
-        event("formed", job=job_id, generation=generation, world_size=world_size, nodes=nodes, seconds=round(seconds, 3))
-
-    def failed(self, job_id, reason):
-        self.failures.inc()
-        event("failed", logging.WARNING, job=job_id, reason=reason)
-
-    def reforming(self, job_id, generation, reason):
-        self.reforms.inc()
-        event("reforming", job=job_id, generation=generation, reason=reason)
-
-    def ended(self, job_id, reason):
-        event("ended", job=job_id, reason=reason)
-
-    def removed(self, job_id, member_id, why):
-        self.removed_members.labels(why).inc()
-        event({"left": "leave", "expired": "expiry"}.get(why, why), job=job_id, member=member_id)
-
-    def rpc_error(self, method, code):
+    def rpc_error(self, method: str, code: str) -> None:
         self.errors.labels(method, code).inc()
 
 
 class _StateCollector:
-    """Gauges read from the state at scrape time."""
+    """Gauges from a snapshot taken at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, stats: Callable[[], Stats], loop_lag: LoopLag) -> None:
         self._stats = stats
+        self._loop_lag = loop_lag
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self._stats()
-        yield GaugeMetricFamily("commctx_active_jobs", "Jobs held (forming, formed or failed with members)", value=s["jobs"])
-        yield GaugeMetricFamily("commctx_active_members", "Members of all jobs", value=s["members"])
-        yield GaugeMetricFamily("commctx_waiting_members", "Members whose world has not formed yet", value=s["waiting"])
+        yield GaugeMetricFamily("commctx_active_jobs", "Jobs held (forming, formed or failed with members)", value=s.jobs)
+        yield GaugeMetricFamily("commctx_active_members", "Members of all jobs", value=s.members)
+        yield GaugeMetricFamily("commctx_waiting_members", "Members whose world has not formed yet", value=s.waiting)
         yield GaugeMetricFamily(
-            "commctx_keepalive_age_seconds", "Seconds since the least recently renewed lease was renewed", value=s["oldest_keepalive_s"]
+            "commctx_keepalive_age_seconds", "Seconds since the least recently renewed lease was renewed", value=s.oldest_keepalive_s
+        )
+        yield GaugeMetricFamily(
+            "commctx_event_loop_lag_max_seconds", "The worst event-loop lag in the last 10 seconds", value=self._loop_lag.worst()
         )

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from commctx.server.cli import main
+from commctx.cli import main
 
 MEGATRON = """\
 TENSOR_PARALLEL    [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]
@@ -65,7 +65,7 @@ def test_a_world_that_cannot_form_says_why(capsys):
 
 
 def test_bad_arguments_are_usage_errors():
-    out = subprocess.run([sys.executable, "-m", "commctx.server.cli", "plan", "--local-sizes", "3,x"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "commctx.cli", "plan", "--local-sizes", "3,x"], capture_output=True, text=True)
     assert out.returncode == 2 and "'3,x' is not a comma-separated list of numbers" in out.stderr
     with pytest.raises(SystemExit, match="--node-roles names 1 roles but a node has 2 workers"):
         main(["plan", "--nodes", "1", "--per-node", "2", "--node-roles", "a"])

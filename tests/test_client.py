@@ -28,8 +28,12 @@ from commctx import (
     ServerUnavailable,
     StaleGeneration,
 )
-from commctx.context import resolve_backend
-from commctx.transport import error_from_rpc, split_address
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+from commctx.addresses import split_address
+from commctx.lifecycle import resolve_backend
+from commctx.transport import error_from_rpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -63,23 +67,36 @@ class FakeRpcError(grpc.RpcError):
         return self._metadata
 
 
+def rich_status(code: grpc.StatusCode, details: str, reason: str, domain: str = "commctx") -> tuple:
+    """The trailing metadata a server sends with a google.rpc.Status holding an ErrorInfo."""
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=domain))
+    status = status_pb2.Status(code=code.value[0], message=details, details=[info])
+    return (("grpc-status-details-bin", status.SerializeToString()),)
+
+
 @pytest.mark.parametrize(
-    "code, metadata, cls",
+    "code, reason, cls",
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, (), InvalidRequest),
-        (grpc.StatusCode.FAILED_PRECONDITION, (), JobConflict),
-        (grpc.StatusCode.FAILED_PRECONDITION, (("commctx-error", "StaleGeneration"),), StaleGeneration),
-        (grpc.StatusCode.ALREADY_EXISTS, (), RankTaken),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, (), JobFull),
-        (grpc.StatusCode.NOT_FOUND, (), MemberNotFound),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, (), RendezvousTimeout),
-        (grpc.StatusCode.UNAVAILABLE, (), ServerUnavailable),
+        (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", InvalidRequest),
+        (grpc.StatusCode.FAILED_PRECONDITION, "JOB_CONFLICT", JobConflict),
+        (grpc.StatusCode.FAILED_PRECONDITION, "STALE_GENERATION", StaleGeneration),
+        (grpc.StatusCode.ALREADY_EXISTS, "RANK_TAKEN", RankTaken),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "JOB_FULL", JobFull),
+        (grpc.StatusCode.NOT_FOUND, "MEMBER_NOT_FOUND", MemberNotFound),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "RENDEZVOUS_TIMEOUT", RendezvousTimeout),
+        (grpc.StatusCode.UNAVAILABLE, "SERVER_UNAVAILABLE", ServerUnavailable),
     ],
 )
-def test_every_status_becomes_a_typed_error(code, metadata, cls):
-    err = error_from_rpc(FakeRpcError(code, "the details", metadata))
+def test_every_status_becomes_a_typed_error(code, reason, cls):
+    err = error_from_rpc(FakeRpcError(code, "the details", rich_status(code, "the details", reason)))
     assert type(err) is cls
-    assert (err.code, err.details) == (code.name, "the details")
+    assert (err.code, err.details, err.reason) == (code.name, "the details", reason)
+    # without details (the call failed before a commctx server answered) the code decides
+    bare = error_from_rpc(FakeRpcError(code, "the details"))
+    assert type(bare) is (JobConflict if cls is StaleGeneration else cls) and bare.reason == ""
+    foreign = error_from_rpc(FakeRpcError(code, "the details", rich_status(code, "the details", reason, domain="other")))
+    assert foreign.reason == ""
 
 
 @pytest.mark.parametrize(
@@ -214,7 +231,7 @@ def test_unreachable_server_is_a_typed_error():
 
 
 def test_job_spec_from_a_dict():
-    from commctx.context import job_spec_of
+    from commctx.lifecycle import job_spec_of
 
     s = job_spec_of({"layout": {"tp": 2, "within_node": ["tp"]}, "roles": [{"role": "a", "count": 4}]}, 4)
     assert (s.world_size, s.layout.tp, list(s.layout.within_node), s.roles[0].role) == (4, 2, ["tp"], "a")

@@ -10,9 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .conftest import eventually, join_request
 
@@ -23,6 +25,21 @@ def ranks_of(group: pb.Group) -> list[int]:
     return [r for run in group.ranks.runs for r in range(run.start, run.start + run.count * (run.stride or 1), run.stride or 1)]
 
 
+def error_info(err: grpc.aio.AioRpcError) -> tuple[str, str]:
+    """(reason, domain) of the google.rpc.ErrorInfo in a failed call's rich status."""
+    (detail,) = rpc_status.from_call(err).details
+    info = error_details_pb2.ErrorInfo()
+    assert detail.Unpack(info)
+    return info.reason, info.domain
+
+
+REASON = {
+    Code.INVALID_ARGUMENT: "INVALID_REQUEST", Code.FAILED_PRECONDITION: "JOB_CONFLICT", Code.ALREADY_EXISTS: "RANK_TAKEN",
+    Code.RESOURCE_EXHAUSTED: "JOB_FULL", Code.NOT_FOUND: "MEMBER_NOT_FOUND", Code.DEADLINE_EXCEEDED: "RENDEZVOUS_TIMEOUT",
+    Code.UNAVAILABLE: "SERVER_UNAVAILABLE",
+}
+
+
 async def expect_error(call, code: grpc.StatusCode, *fragments: str) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
@@ -30,6 +47,8 @@ async def expect_error(call, code: grpc.StatusCode, *fragments: str) -> grpc.aio
     assert err.code() == code, err.details()
     for fragment in fragments:
         assert fragment in err.details(), err.details()
+    reason, domain = error_info(err)
+    assert domain == "commctx" and (reason == REASON[code] or (code, reason) == (Code.FAILED_PRECONDITION, "STALE_GENERATION"))
     return err
 
 
@@ -206,7 +225,7 @@ async def test_cancelled_waiter_is_withdrawn_and_nothing_leaks(stub, server):
         c.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     await eventually(lambda: _gone(stub, "gone"), what="job removed once every waiter left")
-    assert "gone" not in server.rendezvous.job_ids()
+    assert "gone" not in server.machine.job_ids()
 
 
 async def test_keepalive_leave_and_unknown_members(stub):
@@ -219,7 +238,7 @@ async def test_keepalive_leave_and_unknown_members(stub):
         stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, generation=7)),
         Code.FAILED_PRECONDITION, "holds generation 7 but the current generation is 1",
     )
-    assert ("commctx-error", "StaleGeneration") in tuple(err.trailing_metadata())
+    assert error_info(err) == ("STALE_GENERATION", "commctx")
     await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id="abcdef", generation=1)), Code.NOT_FOUND, "member 'abcdef' is not in job 'ka'")
     await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="nope", member_id=m0)), Code.NOT_FOUND, "no job 'nope'")
 
@@ -246,7 +265,7 @@ async def test_describe_a_forming_and_a_formed_job(stub):
 
 
 async def test_draining_server_refuses_joins(stub, server):
-    server._servicer.draining = True
+    server.servicer.draining = True
     await expect_error(stub.Join(join_request("late", 1)), Code.UNAVAILABLE, "shutting down")
 
 
@@ -351,51 +370,64 @@ async def test_session_for_an_unknown_member_says_gone_without_an_error(stub):
     assert await call.code() == Code.OK
 
 
-async def test_sessions_push_world_changes_and_new_assignments(stub):
-    spec = pb.JobSpec(world_size=2, elastic=pb.Elastic(min_size=1, last_call_ms=0))
+def grow_request(job: str, node: str, port: int) -> pb.JoinRequest:
+    r = join_request(job, 2, node, port, master_port=port)
+    r.spec.CopyFrom(pb.JobSpec(world_size=2, elastic=pb.Elastic(min_size=1, last_call_ms=0)))
+    return r
 
-    def req(node, port):
-        r = join_request("grow", 2, node, port, master_port=port)
-        r.spec.CopyFrom(spec)
-        return r
 
-    a = await stub.Join(req("n0", 1111))
-    assert (a.assignment.generation, a.assignment.world_size) == (1, 1)  # min 1, no last call: formed alone
+async def test_a_joiner_grows_the_world_with_one_message_per_survivor(stub):
+    a = await stub.Join(grow_request("grow", "n0", 1111))
+    assert (a.assignment.generation, a.assignment.world_size, a.assignment.master_port) == (1, 1, 1111)  # formed alone
     session = stub.Session()
-    await session.write(pb.SessionRequest(job_id="grow", member_id=a.member_id, generation=1))
+    # Rank 0's first spare (1111) now serves its store: it offers another.
+    await session.write(pb.SessionRequest(job_id="grow", member_id=a.member_id, generation=1, spare_port=3333))
     assert (await next_event(session)).lease_ttl_ms == 5000
-    b_call = asyncio.ensure_future(stub.Join(req("n1", 2222)))
-    change = await next_event(session)
-    assert change.world_changed.generation == 1 and "1 worker waiting to join" in change.world_changed.reason
-    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="grow"))
-    assert (d.state, d.not_ready, d.joined) == (pb.JobDescription.FORMING, 1, 2)
-    await session.write(pb.SessionRequest(job_id="grow", member_id=a.member_id, generation=1, ready_port=3333))
-    pushed = (await next_event(session)).assignment
+    b_call = asyncio.ensure_future(stub.Join(grow_request("grow", "n1", 2222)))
+    pushed = (await next_event(session)).assignment  # the news and the new world in one message
     b = (await b_call).assignment
     assert (pushed.generation, pushed.rank, pushed.previous_rank, pushed.world_size) == (2, 0, 0, 2)
-    assert pushed.master_port == 3333 == b.master_port  # rank 0 serves the new store on its fresh port
+    assert "1 worker waiting to join can grow the world" in pushed.reason
+    assert pushed.master_port == 3333 == b.master_port  # rank 0 serves the new store on its spare
     assert (b.generation, b.rank) == (2, 1) and not b.HasField("previous_rank")
     assert set(pushed.changed_groups) == {"GLOBAL", "INTER_NODE"}
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="grow"))
+    assert (d.state, d.generation, d.not_ready, d.joined) == (pb.JobDescription.FORMED, 2, 0, 2)
     await session.done_writing()
     assert await session.read() == grpc.aio.EOF
 
 
+async def test_a_rank_0_without_a_spare_port_is_told_and_awaited(stub):
+    a = await stub.Join(grow_request("await", "n0", 1111))
+    session = stub.Session()
+    await session.write(pb.SessionRequest(job_id="await", member_id=a.member_id, generation=1))  # offers no spare
+    await next_event(session)
+    b_call = asyncio.ensure_future(stub.Join(grow_request("await", "n1", 2222)))
+    change = (await next_event(session)).world_changed
+    assert change.generation == 1 and "1 worker waiting to join" in change.reason
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="await"))
+    assert (d.state, d.not_ready, d.joined) == (pb.JobDescription.FORMING, 1, 2)
+    assert "1 survivors not heard from since the change are awaited" in d.reason
+    await session.write(pb.SessionRequest(job_id="await", member_id=a.member_id, generation=1, spare_port=4444))
+    pushed = (await next_event(session)).assignment
+    assert (pushed.generation, pushed.master_port) == (2, 4444) and (await b_call).assignment.master_port == 4444
+    session.cancel()
+
+
 async def test_a_reconnecting_session_catches_up(stub):
-    spec = pb.JobSpec(world_size=2, elastic=pb.Elastic(min_size=1, last_call_ms=0))
-    r = join_request("catch", 2, "n0", 1)
-    r.spec.CopyFrom(spec)
-    a = await stub.Join(r)
-    r2 = join_request("catch", 2, "n1", 2)
-    r2.spec.CopyFrom(spec)
-    b_call = asyncio.ensure_future(stub.Join(r2))  # the world changes while a has no session
-    await eventually(lambda: _joined(stub, "catch", 2))
+    a = await stub.Join(grow_request("catch", "n0", 1111))
+    first = stub.Session()
+    await first.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, generation=1, spare_port=4444))
+    await next_event(first)
+    first.cancel()
+    await eventually(lambda: _joined(stub, "catch", 1))
+    b = await stub.Join(grow_request("catch", "n1", 2222))  # the world grows while a has no session
+    assert (b.assignment.generation, b.assignment.master_port) == (2, 4444)
     session = stub.Session()
     await session.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, generation=1))
     assert (await next_event(session)).HasField("lease_ttl_ms")
-    assert (await next_event(session)).HasField("world_changed")  # replayed on connect
-    await session.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, generation=1, ready_port=4444))
-    assert (await next_event(session)).assignment.generation == 2
-    assert (await b_call).assignment.generation == 2
+    missed = (await next_event(session)).assignment  # replayed on connect
+    assert (missed.generation, missed.rank, missed.world_size, missed.previous_rank) == (2, 0, 2, 0)
     session.cancel()
 
 
@@ -411,8 +443,10 @@ async def test_a_member_that_stops_renewing_expires_and_survivors_are_told():
             for r in reqs:
                 r.spec.CopyFrom(spec)
             a, b = await asyncio.gather(*(stub.Join(r) for r in reqs))
+            if a.assignment.rank != 0:
+                a, b = b, a
             session = stub.Session()
-            await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1))
+            await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1, spare_port=5555))
             await next_event(session)
 
             async def renew():
@@ -421,12 +455,10 @@ async def test_a_member_that_stops_renewing_expires_and_survivors_are_told():
                     await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1))
 
             renewer = asyncio.ensure_future(renew())
-            change = await next_event(session)  # b never renews
-            assert f"member {b.member_id}" in change.world_changed.reason and "expired" in change.world_changed.reason
+            alone = (await next_event(session)).assignment  # b never renews; a alone is fresh: one message
             renewer.cancel()
-            await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1, ready_port=5555))
-            alone = (await next_event(session)).assignment
-            assert (alone.generation, alone.world_size, alone.rank) == (2, 1, 0)
+            assert f"member {b.member_id}" in alone.reason and "expired" in alone.reason
+            assert (alone.generation, alone.world_size, alone.rank, alone.master_port) == (2, 1, 0, 5555)
             session.cancel()
     finally:
         await server.stop(0)

@@ -1,18 +1,36 @@
-"""Contract tests every store passes: memory, SQLite (and any future one)."""
+"""Contract tests every store passes (memory, SQLite, and any future one):
+round trips, ordered writes, and fencing. Plus SQLite's own: the schema
+migration from the first release's file, and errors that name the path."""
 
 from __future__ import annotations
 
+import pathlib
+import sqlite3
+
 import pytest
 
-from commctx.server.assignment import MemberSpec
-from commctx.server.spec import spec_from_proto
-from commctx.server.store import MemoryStore, SqliteStore, StoredJob, StoredMember
-from commctx.v1 import rendezvous_pb2 as pb
+from commctx.server.planning import JobSpec, SeatedNode, Seating
+from commctx.server.rendezvous.machine import Rendezvous
+from commctx.server.rendezvous.model import JobState
+from commctx.server.rendezvous.sqlite import SqliteStore
+from commctx.server.rendezvous.store import (
+    DeleteJob,
+    DeleteMember,
+    Fenced,
+    JobRecord,
+    MemberRecord,
+    MemoryStore,
+    PutJob,
+    PutMember,
+    StoreError,
+)
+
+DATA = pathlib.Path(__file__).with_name("data")
 
 
 @pytest.fixture(params=["memory", "sqlite"])
 def make_store(request, tmp_path):
-    """A factory: calling it again reopens the same store (a restart)."""
+    """A factory: calling it again opens the same store anew (a restart, or a second server)."""
     opened = []
 
     def make():
@@ -29,42 +47,136 @@ def make_store(request, tmp_path):
         s.close()
 
 
-SPEC = spec_from_proto(pb.JobSpec(world_size=2, layout=pb.ParallelLayout(tp=2), elastic=pb.Elastic(min_size=2, last_call_ms=250)))
-WORLD = (MemberSpec("m1", "a", "10.0.0.1", 5000, None, None, "trainer", 0, 1), MemberSpec("m2", "a", "10.0.0.1", 5001, 1, 0, "", None, None))
+SPEC = JobSpec.from_json({
+    "world_size": 4, "layout": {"tp": 2, "within_node": ["tp"]}, "elastic": {"min_size": 2, "last_call_ms": 250},
+    "groups": [{"mode": "PAIRS", "named": {"groups": [{"ranks": [0, 1]}]}},
+               {"mode": "WT", "weight_transfer": {"sender_role": "t", "receiver_roles": ["r"], "scope": "SCOPE_NODE"}}],
+    "cpu_twins": ["PAIRS"], "expected_nodes": ["a", "b"],
+})
+WORLD = Seating((SeatedNode("a", "10.0.0.1", ("m1", "m2")),), ("t", "r"), "10.0.0.1", 5000)
 
 
-def member(mid: str, seq: int, in_world: bool = True) -> StoredMember:
-    return StoredMember(mid, seq, "a", "10.0.0.1", 5000 + seq, None, None, "", in_world)
+def member(mid: str, seq: int, port: int = 0) -> MemberRecord:
+    return MemberRecord(mid, seq, "a", "10.0.0.1", port or 5000 + seq, None if seq % 2 else 1, None, "t")
 
 
 def test_roundtrip(make_store):
     s = make_store()
-    s.save_job(StoredJob("j", SPEC, "formed", 3, "", WORLD))
-    s.save_member("j", member("m2", 2))
-    s.save_member("j", member("m1", 1))
-    s.save_job(StoredJob("k", spec_from_proto(pb.JobSpec(world_size=1)), "forming", 0, "", ()))
+    epoch = s.take_over()
+    s.commit([PutJob(JobRecord("j", SPEC, "formed", 3, "", WORLD)), PutMember("j", member("m2", 2)), PutMember("j", member("m1", 1)),
+              PutJob(JobRecord("k", JobSpec.build(1), "forming", 0, "", None))], epoch)
     s.close()
     loaded = make_store().load()
     assert [j.job_id for j in loaded] == ["j", "k"]
     j = loaded[0]
-    assert (j.spec, j.state, j.generation, j.reason, tuple(j.world)) == (SPEC, "formed", 3, "", WORLD)
-    assert [m.member_id for m in j.members] == ["m1", "m2"]  # join order
-    assert j.members[0] == member("m1", 1)
-    assert loaded[1].members == ()
+    assert (j.spec, j.state, j.generation, j.reason, j.world) == (SPEC, "formed", 3, "", WORLD)
+    assert j.members == (member("m1", 1), member("m2", 2))  # join order
+    assert loaded[1].members == () and loaded[1].world is None
 
 
-def test_updates_and_deletes(make_store):
+def test_writes_apply_in_order(make_store):
     s = make_store()
-    s.save_job(StoredJob("j", SPEC, "forming", 1, "", WORLD))
-    s.save_member("j", member("m1", 1))
-    s.save_member("j", member("m2", 2))
-    s.save_member("j", member("m2", 2, in_world=False))  # replaces
-    s.save_job(StoredJob("j", SPEC, "failed", 1, "why", ()))
-    s.delete_member("j", "m1")
-    s.delete_member("j", "nope")  # absent: no error
-    s.save_job(StoredJob("gone", SPEC, "forming", 0, "", ()))
-    s.save_member("gone", member("g", 3))
-    s.delete_job("gone")
+    epoch = s.take_over()
+    s.commit([PutJob(JobRecord("j", SPEC, "forming", 1, "", WORLD)), PutMember("j", member("m1", 1)), PutMember("j", member("m2", 2))], epoch)
+    s.commit([
+        PutMember("j", member("m2", 2, port=9)),  # replaces
+        PutJob(JobRecord("j", SPEC, "failed", 1, "why", None)),
+        DeleteMember("j", "m1"),
+        DeleteMember("j", "nope"),  # absent: no error
+        PutJob(JobRecord("gone", SPEC, "forming", 0, "", None)),
+        PutMember("gone", member("g", 3)),
+        DeleteJob("gone"),  # with its members
+        PutJob(JobRecord("again", SPEC, "forming", 0, "", None)),
+        DeleteJob("again"),
+        PutJob(JobRecord("again", SPEC, "forming", 0, "back", None)),
+    ], epoch)
+    j, again = make_store().load()[::-1]
+    assert (j.job_id, j.state, j.reason, j.world) == ("j", "failed", "why", None)
+    assert j.members == (member("m2", 2, port=9),)
+    assert (again.job_id, again.reason, again.members) == ("again", "back", ())
+
+
+def test_a_writer_that_was_taken_over_is_fenced(make_store):
+    old = make_store()
+    old_epoch = old.take_over()
+    old.commit([PutJob(JobRecord("j", SPEC, "forming", 0, "", None))], old_epoch)
+    new = make_store()
+    new_epoch = new.take_over()
+    assert new_epoch > old_epoch
+    with pytest.raises(Fenced, match=f"epoch {old_epoch} was fenced by epoch {new_epoch}"):
+        old.commit([PutMember("j", member("stale", 1)), DeleteJob("j")], old_epoch)
+    new.commit([PutMember("j", member("fresh", 2))], new_epoch)
     (j,) = make_store().load()
-    assert (j.state, j.reason, tuple(j.world)) == ("failed", "why", ())
-    assert j.members == (member("m2", 2, in_world=False),)
+    assert [m.member_id for m in j.members] == ["fresh"]  # nothing of the fenced batch was written
+    with pytest.raises(Fenced):
+        old.commit([], old_epoch)
+
+
+# -- SQLite only --------------------------------------------------------------------------
+
+
+def v1_database(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A state directory holding the database the first release wrote (tests/data/state-v1.sql
+    is its dump, made by that release's server code: a formed RL job, an elastic job grown
+    to generation 2, a forming job and a failed one)."""
+    directory = tmp_path / "v1"
+    directory.mkdir()
+    db = sqlite3.connect(directory / "commctx.sqlite3")
+    db.executescript((DATA / "state-v1.sql").read_text())
+    db.close()
+    return directory
+
+
+def test_a_first_release_database_is_migrated(tmp_path):
+    directory = v1_database(tmp_path)
+    store = SqliteStore(directory)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 2  # noqa: SLF001
+    machine = Rendezvous(lease_ttl_s=10)
+    restored, _ = machine.restore(store.load(), grace_s=10)
+    assert restored == 4
+    # The plans the first release had formed, recomputed from the migrated seatings.
+    rl = machine.world_of("rl")
+    assert dict(rl.plan.ranks) == {"0000000000000001": 0, "0000000000000002": 1, "0000000000000003": 2}
+    assert rl.plan.roles == ("rollout", "trainer", "rollout") and rl.generation == 1
+    assert (rl.plan.master_addr, rl.plan.master_port) == ("10.0.0.1", 29500)
+    assert [list(g.ranks[0].ranks()) for g in rl.plan.all_groups()["WEIGHT_TRANSFER"]] == [[0, 1, 2]]
+    assert rl.plan.all_groups()["WEIGHT_TRANSFER"][0].root == 1 and rl.plan.global_group.cpu_twin is False
+    grow = machine.world_of("grow")
+    # node10 kept node rank 0 across the grow (its survivors' hint), although node9 sorts first
+    assert dict(grow.plan.ranks) == {"0000000000000004": 0, "0000000000000005": 1, "0000000000000006": 2, "0000000000000007": 3}
+    assert [n.node_key for n in grow.plan.nodes] == ["node10", "node9"] and grow.generation == 2
+    assert (grow.plan.master_addr, grow.plan.master_port) == ("10.0.0.10", 32000)
+    groups = {m: [list(g.ranks[0].ranks()) for g in gs] for m, gs in grow.plan.all_groups().items()}
+    assert groups["TENSOR_PARALLEL"] == [[0, 1], [2, 3]] and groups["DATA_PARALLEL"] == [[0, 2], [1, 3]]
+    failed = machine.describe("failed")
+    assert (failed.state, failed.joined, failed.reason) == (JobState.FAILED, 2, "node 'x' has 1 workers but one asked for local_rank 1")
+    forming = machine.describe("forming")
+    assert (forming.state, forming.joined, forming.spec) == (JobState.FORMING, 1, JobSpec.build(3))
+    spec = machine.describe("rl").spec
+    assert spec.roles == (("trainer", 1), ("rollout", 2)) and spec.cpu_twins == ("WEIGHT_TRANSFER",)
+    # rank 0's first port serves its store: the migrated member holds no spare
+    members = {m.member_id: m for j in store.load() for m in j.members}
+    assert members["0000000000000004"].port == 0 and members["0000000000000005"].port == 32001
+    store.close()
+    again = SqliteStore(directory)  # opened again: version 2 already, read as is
+    assert [(j.job_id, j.generation) for j in again.load()] == [("failed", 0), ("forming", 0), ("grow", 2), ("rl", 1)]
+    again.close()
+
+
+def test_unusable_state_is_one_error_naming_the_path(tmp_path):
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "commctx.sqlite3").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match=f"cannot use the state database {garbage / 'commctx.sqlite3'}: file is not a database"):
+        SqliteStore(garbage)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(StoreError, match=str(blocked)):
+        SqliteStore(blocked)  # a file where the directory should be
+    future = tmp_path / "future"
+    future.mkdir()
+    db = sqlite3.connect(future / "commctx.sqlite3")
+    db.execute("PRAGMA user_version = 9")
+    db.close()
+    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 2"):
+        SqliteStore(future)

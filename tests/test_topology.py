@@ -10,22 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commctx.server.assignment import MemberSpec, plan_world
+from commctx.modes import LAYOUT_MODES as DIM_MODES
 from commctx.server.errors import Conflict, InvalidArgument
-from commctx.server.groups import PlanError, expand
-from commctx.server.spec import DIM_MODES, DIMS, spec_from_proto
-from commctx.server.topology import layout_groups
-from commctx.v1 import rendezvous_pb2 as pb
+from commctx.server.planning import DIMS, Candidate, JobSpec, PlanError, expand, layout_groups, plan_world
 
 
-def spec(world_size: int, **kw) -> pb.JobSpec:
-    return pb.JobSpec(world_size=world_size, **kw)
+def spec(world_size: int, **kw) -> dict:
+    return dict(world_size=world_size, **kw)
 
 
-def world(layout: list[tuple[str, str]], s: pb.JobSpec):
+def world(layout: list[tuple[str, str]], s: dict):
     """Plan a world of (node key, role) workers joined in this order."""
-    members = [MemberSpec(f"m{i}", node, f"10.0.0.{i + 1}", 30000 + i, None, None, role) for i, (node, role) in enumerate(layout)]
-    return plan_world(members, spec_from_proto(s))
+    members = [Candidate(f"m{i}", node, f"10.0.0.{i + 1}", 30000 + i, None, None, role) for i, (node, role) in enumerate(layout)]
+    return plan_world(members, JobSpec.from_json(s))
 
 
 def groups_by_mode(plan) -> dict[str, list[list[int]]]:
@@ -33,7 +30,7 @@ def groups_by_mode(plan) -> dict[str, list[list[int]]]:
 
 
 def test_megatron_example_16_ranks_tp2_pp4():
-    s = spec_from_proto(spec(16, layout=pb.ParallelLayout(tp=2, pp=4)))
+    s = JobSpec.from_json(spec(16, layout=dict(tp=2, pp=4)))
     assert s.layout.sizes == (("tp", 2), ("cp", 1), ("ep", 1), ("dp", 2), ("pp", 4))
     tp = [expand(g.ranks) for g in layout_groups(s.layout, "tp")]
     pp = [expand(g.ranks) for g in layout_groups(s.layout, "pp")]
@@ -45,7 +42,7 @@ def test_megatron_example_16_ranks_tp2_pp4():
 
 def test_other_orders_follow_megatron():
     # "tp-pp-dp": pipeline varies second fastest
-    s = spec_from_proto(spec(8, layout=pb.ParallelLayout(tp=2, pp=2, dp=2, order="tp-pp-dp")))
+    s = JobSpec.from_json(spec(8, layout=dict(tp=2, pp=2, dp=2, order="tp-pp-dp")))
     assert s.layout.order == "tp-pp-dp-cp-ep"
     assert [expand(g.ranks) for g in layout_groups(s.layout, "pp")] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert [expand(g.ranks) for g in layout_groups(s.layout, "dp")] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -71,16 +68,16 @@ def reference_groups(sizes: list[int], k: int) -> list[list[int]]:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=5, max_size=5), st.permutations(DIMS))
 def test_layout_properties(sizes, order):
-    layout_pb = pb.ParallelLayout(order="-".join(order), **dict(zip(order, sizes)))
+    layout_pb = dict(order="-".join(order), **dict(zip(order, sizes)))
     w = math.prod(sizes)
-    s = spec_from_proto(spec(w, layout=layout_pb))
+    s = JobSpec.from_json(spec(w, layout=layout_pb))
     for k, d in enumerate(order):
         ours = [expand(g.ranks) for g in layout_groups(s.layout, d)]
         assert ours == reference_groups(sizes, k)
         # every dimension partitions the world
         assert sorted(itertools.chain.from_iterable(ours)) == list(range(w))
     # groups of two different dimensions through a rank meet in that rank only
-    plan = plan_world([MemberSpec(f"m{i}", "n", "10.0.0.1", 1) for i in range(w)], s)
+    plan = plan_world([Candidate(f"m{i}", "n", "10.0.0.1", 1) for i in range(w)], s)
     for p in plan.placements():
         mine = {g.mode: set(expand(g.ranks)) for g in plan.groups_of(p)}
         for a, b in itertools.combinations([DIM_MODES[d] for d in DIMS], 2):
@@ -88,7 +85,7 @@ def test_layout_properties(sizes, order):
 
 
 def test_tensor_parallel_inside_nodes():
-    s = spec(4, layout=pb.ParallelLayout(tp=2, dp=2, within_node=["tp"]))
+    s = spec(4, layout=dict(tp=2, dp=2, within_node=["tp"]))
     plan = world([("a", ""), ("a", ""), ("b", ""), ("b", "")], s)
     g = groups_by_mode(plan)
     assert g["TENSOR_PARALLEL"] == [[0, 1], [2, 3]] == g["INTRA_NODE"]
@@ -101,19 +98,19 @@ def test_tensor_parallel_inside_nodes():
 
 
 def test_a_tensor_group_that_would_span_nodes_fails_with_the_numbers():
-    s = spec(6, layout=pb.ParallelLayout(tp=2, within_node=["tp"]))
+    s = spec(6, layout=dict(tp=2, within_node=["tp"]))
     with pytest.raises(PlanError, match=r"TENSOR_PARALLEL group \[2, 3\] spans nodes 'a' and 'b': tp=2 must stay within a node, but the nodes have 3, 3 workers"):
         world([("a", "")] * 3 + [("b", "")] * 3, s)
 
 
 RL = spec(
     6,
-    roles=[pb.RoleCount(role="trainer", count=2), pb.RoleCount(role="rollout", count=4)],
+    roles=[dict(role="trainer", count=2), dict(role="rollout", count=4)],
     groups=[
-        pb.GroupRule(mode="TRAIN_DATA_PARALLEL", role_group=pb.RoleGroup(roles=["trainer"])),
-        pb.GroupRule(mode="WEIGHT_TRANSFER", weight_transfer=pb.WeightTransfer(sender_role="trainer", receiver_roles=["rollout"], scope=pb.SCOPE_NODE)),
-        pb.GroupRule(mode="ROLLOUT_NODE", role_group=pb.RoleGroup(roles=["rollout"], scope=pb.SCOPE_NODE)),
-        pb.GroupRule(mode="PAIRS", named=pb.NamedGroups(groups=[pb.RankList(ranks=[4, 1]), pb.RankList(ranks=[5])])),
+        dict(mode="TRAIN_DATA_PARALLEL", role_group=dict(roles=["trainer"])),
+        dict(mode="WEIGHT_TRANSFER", weight_transfer=dict(sender_role="trainer", receiver_roles=["rollout"], scope="SCOPE_NODE")),
+        dict(mode="ROLLOUT_NODE", role_group=dict(roles=["rollout"], scope="SCOPE_NODE")),
+        dict(mode="PAIRS", named=dict(groups=[dict(ranks=[4, 1]), dict(ranks=[5])])),
     ],
     cpu_twins=["TRAIN_DATA_PARALLEL"],
 )
@@ -143,36 +140,36 @@ def test_weight_transfer_without_a_sender_on_a_node():
 @pytest.mark.parametrize(
     "s, error, message",
     [
-        (spec(12, layout=pb.ParallelLayout(tp=2, dp=2, pp=4)), Conflict, "tp×cp×ep×dp×pp = 2×1×1×2×4 = 16 but world_size is 12"),
-        (spec(12, layout=pb.ParallelLayout(tp=8)), Conflict, "world_size 12 is not divisible by tp×cp×ep×pp = 8×1×1×1 = 8"),
-        (spec(4, layout=pb.ParallelLayout(tp=2, order="tp-xx")), InvalidArgument, "'xx' is not one of tp, cp, ep, dp, pp"),
-        (spec(4, layout=pb.ParallelLayout(tp=2, order="tp-tp")), InvalidArgument, "names a dimension twice"),
-        (spec(4, layout=pb.ParallelLayout(tp=2, order="tp-pp")), InvalidArgument, "leaves out dp, whose size is 2"),
-        (spec(4, layout=pb.ParallelLayout(within_node=["zz"])), InvalidArgument, "within_node 'zz'"),
-        (spec(8, roles=[pb.RoleCount(role="trainer", count=2), pb.RoleCount(role="rollout", count=4)]), Conflict,
+        (spec(12, layout=dict(tp=2, dp=2, pp=4)), Conflict, "tp×cp×ep×dp×pp = 2×1×1×2×4 = 16 but world_size is 12"),
+        (spec(12, layout=dict(tp=8)), Conflict, "world_size 12 is not divisible by tp×cp×ep×pp = 8×1×1×1 = 8"),
+        (spec(4, layout=dict(tp=2, order="tp-xx")), InvalidArgument, "'xx' is not one of tp, cp, ep, dp, pp"),
+        (spec(4, layout=dict(tp=2, order="tp-tp")), InvalidArgument, "names a dimension twice"),
+        (spec(4, layout=dict(tp=2, order="tp-pp")), InvalidArgument, "leaves out dp, whose size is 2"),
+        (spec(4, layout=dict(within_node=["zz"])), InvalidArgument, "within_node 'zz'"),
+        (spec(8, roles=[dict(role="trainer", count=2), dict(role="rollout", count=4)]), Conflict,
          "role counts add up to 6 (trainer 2 + rollout 4) but world_size is 8"),
-        (spec(2, roles=[pb.RoleCount(role="a", count=0)]), InvalidArgument, "role 'a' has count 0"),
-        (spec(2, groups=[pb.GroupRule(mode="GLOBAL", role_group=pb.RoleGroup(roles=["a"]))]), InvalidArgument, "mode 'GLOBAL' is defined twice"),
-        (spec(2, layout=pb.ParallelLayout(), groups=[pb.GroupRule(mode="EXPERT", role_group=pb.RoleGroup(roles=["a"]))]), InvalidArgument, "'EXPERT' is defined twice"),
-        (spec(2, groups=[pb.GroupRule(mode="9bad", role_group=pb.RoleGroup(roles=["a"]))]), InvalidArgument, "groups.mode '9bad' is malformed"),
-        (spec(2, groups=[pb.GroupRule(mode="X")]), InvalidArgument, "group 'X' has no kind"),
-        (spec(2, roles=[pb.RoleCount(role="a", count=2)], groups=[pb.GroupRule(mode="X", role_group=pb.RoleGroup(roles=["b"]))]), InvalidArgument,
+        (spec(2, roles=[dict(role="a", count=0)]), InvalidArgument, "role 'a' has count 0"),
+        (spec(2, groups=[dict(mode="GLOBAL", role_group=dict(roles=["a"]))]), InvalidArgument, "mode 'GLOBAL' is defined twice"),
+        (spec(2, layout=dict(), groups=[dict(mode="EXPERT", role_group=dict(roles=["a"]))]), InvalidArgument, "'EXPERT' is defined twice"),
+        (spec(2, groups=[dict(mode="9bad", role_group=dict(roles=["a"]))]), InvalidArgument, "groups.mode '9bad' is malformed"),
+        (spec(2, groups=[dict(mode="X")]), InvalidArgument, "group 'X' has no kind"),
+        (spec(2, roles=[dict(role="a", count=2)], groups=[dict(mode="X", role_group=dict(roles=["b"]))]), InvalidArgument,
          "names role 'b', which spec.roles does not declare"),
-        (spec(4, groups=[pb.GroupRule(mode="X", named=pb.NamedGroups(groups=[pb.RankList(ranks=[0, 9])]))]), InvalidArgument, "names rank 9, not below world_size 4"),
-        (spec(4, groups=[pb.GroupRule(mode="X", named=pb.NamedGroups(groups=[pb.RankList(ranks=[0, 1]), pb.RankList(ranks=[1, 2])]))]), InvalidArgument,
+        (spec(4, groups=[dict(mode="X", named=dict(groups=[dict(ranks=[0, 9])]))]), InvalidArgument, "names rank 9, not below world_size 4"),
+        (spec(4, groups=[dict(mode="X", named=dict(groups=[dict(ranks=[0, 1]), dict(ranks=[1, 2])]))]), InvalidArgument,
          "puts rank 1 in two groups"),
         (spec(4, cpu_twins=["NOPE"]), InvalidArgument, "cpu_twins names mode 'NOPE'"),
     ],
 )
 def test_spec_errors_name_the_numbers(s, error, message):
     with pytest.raises(error) as info:
-        spec_from_proto(s)
+        JobSpec.from_json(s)
     assert message in str(info.value)
 
 
 def test_spec_difference_names_the_field():
-    a = spec_from_proto(spec(16, layout=pb.ParallelLayout(tp=2, pp=4)))
-    b = spec_from_proto(spec(16, layout=pb.ParallelLayout(tp=4, pp=4)))
+    a = JobSpec.from_json(spec(16, layout=dict(tp=2, pp=4)))
+    b = JobSpec.from_json(spec(16, layout=dict(tp=4, pp=4)))
     assert a.difference(b) == (
         "layout=tp=2 cp=1 ep=1 dp=2 pp=4 order=tp-cp-ep-dp-pp but this worker asked for layout=tp=4 cp=1 ep=1 dp=1 pp=4 order=tp-cp-ep-dp-pp"
     )

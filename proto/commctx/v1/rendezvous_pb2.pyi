@@ -7,10 +7,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    INVALID_REQUEST: _ClassVar[ErrorReason]
+    JOB_CONFLICT: _ClassVar[ErrorReason]
+    STALE_GENERATION: _ClassVar[ErrorReason]
+    RANK_TAKEN: _ClassVar[ErrorReason]
+    JOB_FULL: _ClassVar[ErrorReason]
+    MEMBER_NOT_FOUND: _ClassVar[ErrorReason]
+    RENDEZVOUS_TIMEOUT: _ClassVar[ErrorReason]
+    SERVER_UNAVAILABLE: _ClassVar[ErrorReason]
+
 class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SCOPE_JOB: _ClassVar[Scope]
     SCOPE_NODE: _ClassVar[Scope]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+INVALID_REQUEST: ErrorReason
+JOB_CONFLICT: ErrorReason
+STALE_GENERATION: ErrorReason
+RANK_TAKEN: ErrorReason
+JOB_FULL: ErrorReason
+MEMBER_NOT_FOUND: ErrorReason
+RENDEZVOUS_TIMEOUT: ErrorReason
+SERVER_UNAVAILABLE: ErrorReason
 SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 
@@ -143,7 +164,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank")
+    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +180,7 @@ class Assignment(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CHANGED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
@@ -174,7 +196,8 @@ class Assignment(_message.Message):
     role: str
     changed_groups: _containers.RepeatedScalarFieldContainer[str]
     previous_rank: int
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("mode", "index", "ranks", "cpu_twin", "root")
@@ -207,16 +230,16 @@ class RankRun(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "ready_port")
+    __slots__ = ("job_id", "member_id", "generation", "spare_port")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
-    READY_PORT_FIELD_NUMBER: _ClassVar[int]
+    SPARE_PORT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
-    ready_port: int
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., ready_port: _Optional[int] = ...) -> None: ...
+    spare_port: int
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone")

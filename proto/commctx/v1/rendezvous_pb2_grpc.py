@@ -81,9 +81,9 @@ class RendezvousServicer:
 
     def Session(self, request_iterator, context):
         """A member's session: every client message renews the lease (send one at
-        least every lease_ttl/3); the server sends SessionEvents: world changes
-        and new assignments. An unknown member gets a `gone` event, then the
-        stream ends.
+        least every lease_ttl/3); the server sends SessionEvents: new
+        assignments, and world changes that cannot complete at once. An unknown
+        member gets a `gone` event, then the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,30 +1,46 @@
-"""The pure assignment: hand-checked tables and properties over random worlds."""
+"""The pure planner: hand-checked tables and properties over random worlds,
+and proof that planning loads neither gRPC nor protobuf."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commctx.server.spec import JobSpec
-from commctx.server.assignment import (
-    GLOBAL,
-    INTER_NODE,
-    INTRA_NODE,
-    MemberSpec,
+from commctx.modes import GLOBAL, INTER_NODE, INTRA_NODE
+from commctx.server.planning import (
+    Candidate,
+    JobSpec,
     PlanError,
     RankRun,
+    build_plan,
     compress,
     expand,
     node_sort_key,
     plan_world,
+    seat,
 )
 
 
-def members(layout: list[tuple[str, int | None, int | None]]) -> list[MemberSpec]:
+@pytest.mark.parametrize("module, allowed", [
+    ("commctx.server.planning", ()),
+    ("commctx.server.rendezvous.machine", ()),  # the state machine: no event loop either
+    ("commctx.server.rendezvous.executor", ("asyncio",)),
+])
+def test_layers_import_only_what_they_need(module, allowed):
+    code = (f"import sys, {module}; "
+            "print(sorted(m for m in ('grpc', 'google.protobuf', 'asyncio', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(sorted(allowed))
+
+
+def members(layout: list[tuple[str, int | None, int | None]]) -> list[Candidate]:
     """(node key, local rank or None, node rank or None) per worker, in join order."""
     return [
-        MemberSpec(f"m{i}", key, f"10.0.0.{i + 1}", 30000 + i, local_rank, node_rank)
+        Candidate(f"m{i}", key, f"10.0.0.{i + 1}", 30000 + i, local_rank, node_rank)
         for i, (key, local_rank, node_rank) in enumerate(layout)
     ]
 
@@ -45,7 +61,7 @@ def test_numeric_aware_node_order():
 
 def test_two_nodes_in_join_order():
     # Workers of node66 join first; node7 still gets node rank 0.
-    plan = plan_world(members([("node66", None, None), ("node7", None, None), ("node66", None, None), ("node7", None, None)]), JobSpec(4))
+    plan = plan_world(members([("node66", None, None), ("node7", None, None), ("node66", None, None), ("node7", None, None)]), JobSpec.build(4))
     assert ranks_by_member(plan) == {
         "m1": (0, 0, 0),
         "m3": (1, 0, 1),
@@ -62,7 +78,7 @@ def test_two_nodes_in_join_order():
 
 
 def test_heterogeneous_nodes():
-    plan = plan_world(members([("b", None, None), ("a", None, None), ("a", None, None), ("a", None, None), ("c", None, None), ("c", None, None)]), JobSpec(6))
+    plan = plan_world(members([("b", None, None), ("a", None, None), ("a", None, None), ("a", None, None), ("c", None, None), ("c", None, None)]), JobSpec.build(6))
     assert [(n.node_key, n.first_rank, n.size) for n in plan.nodes] == [("a", 0, 3), ("b", 3, 1), ("c", 4, 2)]
     assert groups(plan, INTRA_NODE) == [[0, 1, 2], [3], [4, 5]]
     # local rank 2 exists only on node a; local rank 1 on a and c
@@ -71,12 +87,12 @@ def test_heterogeneous_nodes():
 
 
 def test_explicit_local_ranks_kept_and_gaps_filled_in_join_order():
-    plan = plan_world(members([("n", 2, None), ("n", None, None), ("n", 0, None), ("n", None, None)]), JobSpec(4))
+    plan = plan_world(members([("n", 2, None), ("n", None, None), ("n", 0, None), ("n", None, None)]), JobSpec.build(4))
     assert {m: p[2] for m, p in ranks_by_member(plan).items()} == {"m0": 2, "m1": 1, "m2": 0, "m3": 3}
 
 
 def test_explicit_node_ranks_override_key_order():
-    plan = plan_world(members([("a", None, 1), ("b", None, None), ("c", None, 0)]), JobSpec(3))
+    plan = plan_world(members([("a", None, 1), ("b", None, None), ("c", None, 0)]), JobSpec.build(3))
     assert [n.node_key for n in plan.nodes] == ["c", "a", "b"]
 
 
@@ -92,7 +108,7 @@ def test_explicit_node_ranks_override_key_order():
 )
 def test_unsatisfiable_worlds_name_the_numbers(layout, world_size, message):
     with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        plan_world(members(layout), JobSpec(world_size))
+        plan_world(members(layout), JobSpec.build(world_size))
 
 
 @pytest.mark.parametrize(
@@ -112,7 +128,7 @@ def test_compress_table(ranks, runs):
 
 def test_regular_groups_cost_one_run_at_any_scale():
     n_nodes, per_node = 1250, 8
-    plan = plan_world(members([(f"node{i // per_node}", None, None) for i in range(n_nodes * per_node)]), JobSpec(10_000))
+    plan = plan_world(members([(f"node{i // per_node}", None, None) for i in range(n_nodes * per_node)]), JobSpec.build(10_000))
     for mode, gs in plan.all_groups().items():
         assert all(len(g.ranks) == 1 for g in gs), mode
     assert plan.inter_groups[3].ranks == (RankRun(3, n_nodes, per_node),)
@@ -127,7 +143,7 @@ worlds = st.lists(
 )
 
 
-def build(spec: list[tuple[int, bool]]) -> list[MemberSpec]:
+def build(spec: list[tuple[int, bool]]) -> list[Candidate]:
     counts = {node: sum(1 for n, _ in spec if n == node) for node, _ in spec}
     seen: dict[int, int] = {}
     layout = []
@@ -144,7 +160,7 @@ def build(spec: list[tuple[int, bool]]) -> list[MemberSpec]:
 @given(worlds)
 def test_properties(spec):
     ms = build(spec)
-    plan = plan_world(ms, JobSpec(len(ms)))
+    plan = plan_world(ms, JobSpec.build(len(ms)))
     w = len(ms)
     placements = plan.placements()
     # ranks are a permutation of 0..W-1
@@ -171,10 +187,12 @@ def test_properties(spec):
     # node order is numeric-aware ascending key order
     keys = [n.node_key for n in plan.nodes]
     assert keys == sorted(keys, key=node_sort_key)
-    # same input -> same output
-    again = plan_world(list(ms), JobSpec(len(ms)))
+    # same input -> same output; a stored seating rebuilds the same plan
+    again = plan_world(list(ms), JobSpec.build(len(ms)))
     assert ranks_by_member(again) == ranks_by_member(plan)
     assert again.all_groups() == plan.all_groups()
+    rebuilt = build_plan(seat(ms, JobSpec.build(len(ms))), JobSpec.build(len(ms)))
+    assert ranks_by_member(rebuilt) == ranks_by_member(plan) and rebuilt.all_groups() == plan.all_groups()
 
 
 @settings(max_examples=200, deadline=None)

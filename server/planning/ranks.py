@@ -1,13 +1,11 @@
-"""Rank sets and group specs: the values group plans are made of."""
+"""Rank sets as arithmetic runs: the form group memberships are planned, compared
+and sent in, so that GLOBAL and other regular groups cost a few values at any
+world size."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-
-
-class PlanError(ValueError):
-    """The members cannot form a valid world; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -21,7 +19,14 @@ class RankRun:
     def ranks(self) -> range:
         return range(self.start, self.start + self.count * self.stride, self.stride)
 
+    @property
+    def last(self) -> int:
+        return self.start + (self.count - 1) * self.stride
 
+
+# An ascending rank set. `compress` is canonical (greedy and deterministic), so
+# two RankSets are equal exactly when they hold the same ranks: comparing them
+# never needs the expanded lists.
 RankSet = tuple[RankRun, ...]
 
 
@@ -45,29 +50,3 @@ def compress(ranks: Sequence[int]) -> RankSet:
 def expand(runs: RankSet) -> list[int]:
     """The inverse of `compress`."""
     return [r for run in runs for r in run.ranks()]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GroupSpec:
-    """One communication group: its mode, which one of that mode, its members."""
-
-    mode: str
-    index: int
-    ranks: RankSet
-    size: int
-    cpu_twin: bool = False  # also build a gloo twin of this group
-    root: int | None = None  # the sender of a weight-transfer group
-
-
-class Family:
-    """All groups of one mode, and which of them holds a given rank."""
-
-    def __init__(self, mode: str, groups: Sequence[GroupSpec], index_of: Sequence[int]) -> None:
-        """`index_of[rank]` is the rank's group index in `groups`, or -1."""
-        self.mode = mode
-        self.groups = tuple(groups)
-        self._index_of = index_of
-
-    def group_of(self, rank: int) -> GroupSpec | None:
-        i = self._index_of[rank]
-        return self.groups[i] if i >= 0 else None

@@ -5,16 +5,18 @@
     commctx status   jobs, members per node, who is missing and why
 
 `plan` runs the server's own planning code on a world you describe, so what it
-prints is what the server would assign.
+prints is what the server would assign. It imports only the server's pure
+planner (`commctx.server.planning`); health and status are gRPC clients.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from google.protobuf import json_format
@@ -23,11 +25,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .assignment import MemberSpec, WorldPlan, plan_world
-from .config import health_address
-from .errors import RendezvousError
-from .groups import PlanError, expand
-from .spec import spec_from_proto
+from commctx.server.errors import RendezvousError
+from commctx.server.planning import Candidate, JobSpec, PlanError, WorldPlan, expand, plan_world
+
+from .addresses import DEFAULT_PORT
+
+
+def default_address(env: Mapping[str, str] | None = None) -> str:
+    """Where this host's server answers: 127.0.0.1 and COMMCTX_PORT (the server's own variable)."""
+    env = os.environ if env is None else env
+    return f"127.0.0.1:{env.get('COMMCTX_PORT') or DEFAULT_PORT}"
 
 
 def _sizes(text: str) -> list[int]:
@@ -96,9 +103,9 @@ def plan_from_args(args: argparse.Namespace) -> WorldPlan:
     node_roles = args.node_roles.split(",") if args.node_roles else []
     if node_roles and len(node_roles) < max(sizes):
         raise SystemExit(f"commctx plan: --node-roles names {len(node_roles)} roles but a node has {max(sizes)} workers")
-    spec = spec_from_proto(build_spec(args, sum(sizes)))
+    spec = JobSpec.from_json(json_format.MessageToDict(build_spec(args, sum(sizes)), preserving_proto_field_name=True))
     members = [
-        MemberSpec(f"n{n}l{l}", f"node{n}", f"10.0.{n // 250}.{n % 250 + 1}", 29500, l, n, node_roles[l] if node_roles else "")
+        Candidate(f"n{n}l{l}", f"node{n}", f"10.0.{n // 250}.{n % 250 + 1}", 29500, l, n, node_roles[l] if node_roles else "")
         for n, size in enumerate(sizes)
         for l in range(size)
     ]
@@ -157,7 +164,7 @@ def add_health_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_health(args: argparse.Namespace) -> int:
-    addr = args.addr or health_address()
+    addr = args.addr or default_address()
     try:
         with grpc.insecure_channel(addr) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -222,7 +229,7 @@ def job_detail(d: pb.JobDescription) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    addr = args.addr or health_address()
+    addr = args.addr or default_address()
     with grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.RendezvousStub(channel)
         while True:

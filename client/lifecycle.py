@@ -1,0 +1,239 @@
+"""A worker's life in a job: join, enter each world, rejoin, leave.
+
+`Membership` owns what that life holds: the session with the server, the
+spare listening socket (a port the server may hand to this worker when it
+becomes rank 0 of a world: no "bind port 0, close, hope" race), the TCPStore
+this process serves while it is rank 0, and the launcher variables it
+exported. The groups it builds go into the caller's GroupRegistry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from google.protobuf import json_format
+
+from commctx.v1 import rendezvous_pb2 as pb
+
+from . import _torch
+from .addresses import split_address
+from .assignment import Assignment
+from .errors import CommContextError
+from .netif import interface_of, listen_socket, route_source_address
+from .process_groups import build_groups, destroy_all, init_world
+from .registry import GroupRegistry
+from .session import Session
+
+log = logging.getLogger("commctx")
+
+DESTROY_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherEnv:
+    """What a launcher (torchrun, Slurm scripts, the user) put in the environment.
+
+    The only place commctx reads environment variables.
+    """
+
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    gloo_socket_ifname: str | None = None
+    nccl_socket_ifname: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
+        """Reads the launcher variables.
+
+        Raises:
+            CommContextError: LOCAL_RANK or LOCAL_WORLD_SIZE is set but not a
+                non-negative integer.
+        """
+        env = os.environ if env is None else env
+
+        def number(name: str) -> int | None:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return None
+            try:
+                value = int(raw)
+            except ValueError:
+                value = -1
+            if value < 0:
+                raise CommContextError(f"{name}={raw!r} is not a non-negative integer")
+            return value
+
+        return cls(
+            local_rank=number("LOCAL_RANK"),
+            local_world_size=number("LOCAL_WORLD_SIZE"),
+            gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
+            nccl_socket_ifname=env.get("NCCL_SOCKET_IFNAME") or None,
+        )
+
+
+def job_spec_of(spec: Mapping[str, Any] | pb.JobSpec | None, world_size: int) -> pb.JobSpec:
+    """The wire JobSpec for `spec` (a message, its JSON form as a dict, or None).
+
+    Raises:
+        ValueError: the dict is not a JobSpec, or its world_size disagrees.
+    """
+    if spec is None:
+        out = pb.JobSpec()
+    elif isinstance(spec, pb.JobSpec):
+        out = pb.JobSpec()
+        out.CopyFrom(spec)
+    else:
+        try:
+            out = json_format.ParseDict(dict(spec), pb.JobSpec())
+        except json_format.ParseError as exc:
+            raise ValueError(f"spec is not a JobSpec: {exc}") from exc
+    if out.world_size and out.world_size != world_size:
+        raise ValueError(f"spec.world_size {out.world_size} disagrees with world_size {world_size}")
+    out.world_size = world_size
+    return out
+
+
+def resolve_backend(backend: str | None) -> str:
+    """'auto' (or None) -> 'nccl' when CUDA is available, else 'gloo'.
+
+    Raises:
+        CommContextError: 'nccl' was asked for but no CUDA device is visible.
+    """
+    name = (backend or "auto").lower()
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise CommContextError("backend 'nccl' needs a CUDA device and none is visible; use 'gloo' or 'auto'")
+    return name
+
+
+def _listen_on(address: str) -> socket.socket:
+    try:
+        return listen_socket(address)
+    except OSError:  # an address that is not on a local interface (NAT): listen everywhere
+        return listen_socket("::" if ":" in address else "0.0.0.0")
+
+
+class Membership:
+    """One worker's membership in one job. Create with `Membership.join`."""
+
+    def __init__(self, session: Session, address: str, backend: str, collective_timeout_s: int,
+                 spare: socket.socket, env: MutableMapping[str, str]) -> None:
+        self.session = session
+        self.address = address
+        self.backend = backend
+        self._timeout = datetime.timedelta(seconds=collective_timeout_s)
+        self._spare: socket.socket | None = spare
+        self._store: dist.TCPStore | None = None
+        self._env = env
+        self._env_saved: dict[str, str | None] = {}
+
+    @classmethod
+    def join(cls, server_addr: str, request: pb.JoinRequest, *, advertise_addr: str | None, backend: str,
+             timeout_s: float, collective_timeout_s: int, env: MutableMapping[str, str] | None = None) -> Membership:
+        """Joins with `request` (job, spec, node and rank fields) and blocks until
+        placed in a world. The address and spare port are filled in here.
+
+        Raises:
+            RendezvousError: the server refused the join or the world did not form in time.
+        """
+        host, port = split_address(server_addr)
+        address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
+        spare = _listen_on(address)
+        session = Session(server_addr)
+        request.address = address
+        request.master_port = spare.getsockname()[1]
+        try:
+            session.join(request, timeout_s)
+        except BaseException:
+            spare.close()
+            session.close(leave=False)
+            raise
+        return cls(session, address, backend, collective_timeout_s, spare, os.environ if env is None else env)
+
+    @property
+    def assignment(self) -> Assignment:
+        return self.session.assignment
+
+    def enter(self, registry: GroupRegistry) -> None:
+        """Initialises torch.distributed for the current assignment and registers its groups.
+
+        Rank 0 serves the TCPStore on its spare socket, whose port the server
+        gave out as the master port, then offers a new spare for later worlds.
+        """
+        a = self.session.assignment
+        self._export_env(a)
+        if a.rank == 0:
+            spare, self._spare = self._spare, None
+            if spare is None or spare.getsockname()[1] != a.master_port:
+                raise CommContextError(f"the server made this worker rank 0 on port {a.master_port}, which it does not hold")
+            self._store = _torch.store_on_socket(a.master_addr, a.master_port, a.world_size, self._timeout, spare)
+            self._spare = _listen_on(self.address)
+            self.session.offer_spare(self._spare.getsockname()[1])
+        registry.register(init_world(a.world_size, a.rank, self.backend, a.dist_url, self._timeout, a.local_rank))
+        for record in build_groups(a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size,
+                                   backend=self.backend, timeout=self._timeout):
+            registry.register(record)
+        log.info(
+            "joined job=%s generation=%d rank=%d/%d node_rank=%d local_rank=%d master=%s",
+            a.job_id, a.generation, a.rank, a.world_size, a.node_rank, a.local_rank, a.dist_url,
+        )
+
+    def rejoin(self, registry: GroupRegistry, timeout_s: float) -> None:
+        """Leaves the current world and enters the next one the server assigns.
+
+        Raises:
+            MemberNotFound: the member is gone or the job cannot continue.
+            RendezvousTimeout: no new world within `timeout_s`.
+        """
+        self.leave_world(registry)
+        self.session.next_assignment(timeout_s)
+        self.enter(registry)
+
+    def leave_world(self, registry: GroupRegistry) -> None:
+        """Destroys the process groups (no barrier, bounded time) and forgets them."""
+        if registry.initialized and dist.is_initialized() and not destroy_all(DESTROY_TIMEOUT_S):
+            log.warning("destroying the process groups took over %.0f s; continuing without waiting", DESTROY_TIMEOUT_S)
+        self._store = None
+        registry.clear()
+
+    def close(self, registry: GroupRegistry) -> None:
+        """Leaves the job (best effort), the world, and restores the environment. Idempotent."""
+        self.session.close()
+        self.leave_world(registry)
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+        for key, value in self._env_saved.items():
+            if value is None:
+                self._env.pop(key, None)
+            else:
+                self._env[key] = value
+        self._env_saved.clear()
+
+    def _export_env(self, a: Assignment) -> None:
+        """Sets the variables torchrun would, and the interface gloo/NCCL should use."""
+        values = a.torch_env()
+        ifname = interface_of(self.address)
+        launcher = LauncherEnv.from_env(self._env)
+        ours = self._env_saved  # variables this membership set (and may set again)
+        # gloo and NCCL pick the interface that carries our advertised address,
+        # unless the user chose one. Without this, gloo resolves the hostname,
+        # which in containers and namespaces often means 127.0.0.1.
+        if ifname is not None:
+            if launcher.gloo_socket_ifname is None or "GLOO_SOCKET_IFNAME" in ours:
+                values["GLOO_SOCKET_IFNAME"] = ifname
+            if self.backend == "nccl" and (launcher.nccl_socket_ifname is None or "NCCL_SOCKET_IFNAME" in ours):
+                values["NCCL_SOCKET_IFNAME"] = ifname
+        for key, value in values.items():
+            self._env_saved.setdefault(key, self._env.get(key))
+            self._env[key] = value

@@ -1,0 +1,54 @@
+"""Planning: the job spec model and the world planner. Pure Python: no
+protobuf, no grpc, no asyncio, no clock. The server's state machine, the wire
+codec and `commctx plan` all plan through this package."""
+
+from .groups import Family, PlanError, PlannedGroup, layout_groups
+from .ranks import RankRun, RankSet, compress, expand
+from .spec import (
+    DIMS,
+    NODE_KEY,
+    JobSpec,
+    Layout,
+    NamedGroups,
+    RoleGroup,
+    Rule,
+    WeightTransfer,
+    check_mode,
+    check_name,
+    check_role,
+    elide,
+)
+from .world import Candidate, NodePlacement, Placement, SeatedNode, Seating, WorldPlan, build_plan, node_sort_key, plan_world, seat
+
+__all__ = [
+    "DIMS",
+    "NODE_KEY",
+    "Candidate",
+    "Family",
+    "JobSpec",
+    "Layout",
+    "NamedGroups",
+    "NodePlacement",
+    "PlanError",
+    "Placement",
+    "PlannedGroup",
+    "RankRun",
+    "RankSet",
+    "RoleGroup",
+    "Rule",
+    "SeatedNode",
+    "Seating",
+    "WeightTransfer",
+    "WorldPlan",
+    "build_plan",
+    "check_mode",
+    "check_name",
+    "check_role",
+    "compress",
+    "elide",
+    "expand",
+    "layout_groups",
+    "node_sort_key",
+    "plan_world",
+    "seat",
+]

@@ -1,0 +1,149 @@
+"""Planned groups: the group families beyond GLOBAL/INTRA_NODE/INTER_NODE (the
+parallel layout, role groups, weight transfer, named groups). Pure functions of
+the spec and the seated world; PlanError says why a world cannot satisfy a spec.
+
+Layout groups follow Megatron's enumeration (generate_masked_orthogonal_rank_groups):
+with sizes s_0..s_k-1 in `order` (the first varies fastest) and strides
+st_i = s_0*...*s_i-1, the group of dimension d through a rank holds the ranks
+that differ from it only in coordinate d, and groups are numbered by the other
+coordinates in order, fastest first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from array import array
+from collections.abc import Sequence
+
+from commctx.modes import LAYOUT_MODES
+
+from .ranks import RankRun, RankSet, compress
+from .spec import JobSpec, Layout, NamedGroups, RoleGroup
+
+
+class PlanError(ValueError):
+    """The members cannot form a valid world; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlannedGroup:
+    """One communication group of a planned world: its mode, which one of that mode, its members."""
+
+    mode: str
+    index: int
+    ranks: RankSet
+    size: int
+    cpu_twin: bool = False  # also build a gloo twin of this group
+    root: int | None = None  # the sender of a weight-transfer group
+
+
+class Family:
+    """All groups of one mode, and which of them holds a given rank."""
+
+    __slots__ = ("mode", "groups", "_index_of")
+
+    def __init__(self, mode: str, groups: Sequence[PlannedGroup], index_of: Sequence[int]) -> None:
+        """`index_of[rank]` is the rank's group index in `groups`, or -1."""
+        self.mode = mode
+        self.groups = tuple(groups)
+        self._index_of = index_of
+
+    @classmethod
+    def of(cls, mode: str, groups: Sequence[PlannedGroup], world_size: int) -> Family:
+        index_of = array("i", [-1]) * world_size
+        for i, g in enumerate(groups):
+            for run in g.ranks:
+                index_of[run.start : run.last + 1 : run.stride] = array("i", [i]) * run.count
+        return cls(mode, groups, index_of)
+
+    def group_of(self, rank: int) -> PlannedGroup | None:
+        i = self._index_of[rank]
+        return self.groups[i] if i >= 0 else None
+
+    def with_cpu_twins(self) -> Family:
+        return Family(self.mode, [dataclasses.replace(g, cpu_twin=True) for g in self.groups], self._index_of)
+
+
+def layout_groups(layout: Layout, dim: str) -> list[PlannedGroup]:
+    """Every group of dimension `dim`, in Megatron's order."""
+    dims = [d for d, _ in layout.sizes]
+    sizes = [s for _, s in layout.sizes]
+    strides = [math.prod(sizes[:i]) for i in range(len(sizes))]
+    k = dims.index(dim)
+    others = [i for i in range(len(dims)) if i != k]
+    mode = LAYOUT_MODES[dim]
+    groups = []
+    for g in range(math.prod(sizes) // sizes[k]):
+        base, rest = 0, g
+        for i in others:
+            base += (rest % sizes[i]) * strides[i]
+            rest //= sizes[i]
+        groups.append(PlannedGroup(mode, g, (RankRun(base, sizes[k], strides[k]),), sizes[k]))
+    return groups
+
+
+def layout_families(layout: Layout, world_size: int) -> list[Family]:
+    """One family per dimension, in canonical mode order (tp, cp, ep, dp, pp)."""
+    return [Family.of(LAYOUT_MODES[d], layout_groups(layout, d), world_size) for d in LAYOUT_MODES]
+
+
+def check_within_node(layout: Layout, families: Sequence[Family], first_ranks: Sequence[int],
+                      node_keys: Sequence[str], sizes: Sequence[int]) -> None:
+    """Raises PlanError when a group of a within-node dimension spans nodes."""
+
+    def node_of(rank: int) -> int:
+        return bisect.bisect_right(first_ranks, rank) - 1
+
+    by_mode = {f.mode: f.groups for f in families}
+    for dim in layout.within_node:
+        for g in by_mode[LAYOUT_MODES[dim]]:
+            run = g.ranks[0]
+            lo, hi = node_of(run.start), node_of(run.last)
+            if lo != hi:
+                shown = sizes if len(sizes) <= 16 else [*sizes[:16], "..."]
+                raise PlanError(
+                    f"{g.mode} group {list(run.ranks())} spans nodes {node_keys[lo]!r} and {node_keys[hi]!r}: "
+                    f"{dim}={layout.size(dim)} must stay within a node, but the nodes have "
+                    f"{', '.join(str(s) for s in shown)} workers"
+                )
+
+
+def rule_families(spec: JobSpec, node_keys: Sequence[str], first_ranks: Sequence[int], sizes: Sequence[int],
+                  role_of: Sequence[str]) -> list[Family]:
+    """The groups of every rule, in spec order."""
+    world_size = spec.world_size
+    scopes_all = [range(world_size)]
+    scopes_node = [range(f, f + s) for f, s in zip(first_ranks, sizes)]
+    families = []
+    for rule in spec.rules:
+        groups: list[list[int]] = []
+        roots: list[int | None] = []
+        if isinstance(rule, NamedGroups):
+            groups = [list(g) for g in rule.groups]
+        else:
+            for n, scope in enumerate(scopes_node if rule.per_node else scopes_all):
+                where = f"node {node_keys[n]!r}" if rule.per_node else "the job"
+                if isinstance(rule, RoleGroup):
+                    wanted = set(rule.roles)
+                    members = [r for r in scope if role_of[r] in wanted]
+                else:
+                    wanted = set(rule.receivers)
+                    receivers = [r for r in scope if role_of[r] in wanted]
+                    if not receivers:
+                        continue
+                    sender = next((r for r in scope if role_of[r] == rule.sender), None)
+                    if sender is None:
+                        raise PlanError(
+                            f"{where} has {len(receivers)} {'/'.join(rule.receivers)} workers but no "
+                            f"{rule.sender} to send weights to them ({rule.mode})"
+                        )
+                    members = sorted([sender, *receivers])
+                    roots.append(sender)
+                if members:
+                    groups.append(members)
+        roots += [None] * (len(groups) - len(roots))
+        planned = [PlannedGroup(rule.mode, i, compress(g), len(g), root=root) for i, (g, root) in enumerate(zip(groups, roots))]
+        families.append(Family.of(rule.mode, planned, world_size))
+    return families

@@ -1,0 +1,38 @@
+"""Deadlines in a heap, as etcd's lessor keeps leases: the reaper pops what is
+due and never scans every member.
+
+Entries are lazy: renewing a lease does not touch the heap. When an entry
+comes due, its owner checks the current deadline and pushes a new entry if it
+moved, so each lease costs about one pop per TTL however often it is renewed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Hashable
+
+
+class Deadlines:
+    """A min-heap of (deadline, key)."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, Hashable]] = []
+
+    def push(self, deadline: float, key: Hashable) -> None:
+        heapq.heappush(self._heap, (deadline, key))
+
+    def next(self) -> float:
+        """The earliest deadline held (math.inf when empty); it may be stale."""
+        return self._heap[0][0] if self._heap else math.inf
+
+    def pop_due(self, now: float) -> tuple[float, Hashable] | None:
+        """The earliest entry if it is due (deadline <= now), removed; else None."""
+        if self._heap and self._heap[0][0] <= now:
+            return heapq.heappop(self._heap)
+        return None
+
+    def __len__(self) -> int:
+        return len(self._heap)

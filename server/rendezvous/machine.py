@@ -1,0 +1,696 @@
+"""The rendezvous state machine: synchronous transitions over the in-memory
+model, each returning the `Actions` it implies (records to persist, events to
+push to sessions, Join waiters to wake, notes for operators). The executor
+carries them out in that order; no transition awaits or does I/O.
+
+A job's life, generation by generation:
+
+  FORMING (g)  workers join; the world forms as generation g+1 when the spec
+               allows it: world_size workers (the maximum) are present, or, for
+               an elastic job, at least min_size are and nobody new arrived for
+               the last-call window; and no survivor of generation g is awaited.
+  FORMED (g)   the world of generation g runs. Elastic jobs below their maximum
+               admit joiners, who wait; their arrival re-forms the world.
+  FAILED       the joined workers cannot form a valid world, or members of a
+               world expired and fewer than min_size remain. Kept, with its
+               reason, until every member has gone (and a while longer).
+  ENDED        members left (gracefully) and fewer than min_size remain: a
+               job finishing. Kept until every member has gone.
+
+Re-forming. A member leaving or expiring, or joiners arriving at an elastic
+world, turns FORMED (g) into FORMING (g). Every member holds a spare listening
+port the server knows of (offered at Join; rank 0, whose spare becomes the
+TCPStore's port, offers a new one on its session), so the next world needs
+nothing from its survivors but to be alive. A survivor whose lease was renewed
+within the last half TTL is alive (clients renew every third); the others are
+awaited until they renew or expire. When a host dies, its workers' leases run
+out one by one; the first expiry finds the others already stale, so the next
+world forms without them rather than seating the dead. With nobody awaited
+the world forms at once and each survivor gets one message, its new
+assignment; otherwise survivors are told at once (WorldChange) and get the
+assignment when it forms. Survivors keep their node and local ranks where the
+new shape allows (the rank rule in planning/world.py).
+
+A worker is bound to its Join call until it is placed in a world (ending the
+call withdraws it); placed, it holds a lease that its session renews. Expiry
+and leaving are the same transition. A job disappears when its last member
+goes. Leases, last calls and kept failed jobs wait in deadline heaps; the
+reaper pops only what is due.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+
+from ..errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration
+from ..planning import PlanError, build_plan, elide, node_sort_key, plan_world
+from .deadlines import Deadlines
+from .model import (
+    Gone,
+    Job,
+    JobState,
+    JobStopped,
+    JobView,
+    Joined,
+    JoinParams,
+    Member,
+    MemberGone,
+    NewWorld,
+    Node,
+    NodeView,
+    Note,
+    SessionEvent,
+    Stats,
+    WaitOutcome,
+    WorldChange,
+)
+from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutJob, PutMember, Write
+
+
+class Actions:
+    """What a transition implies, for the executor to carry out in this order:
+    persist `writes`, hand `notes` to telemetry, put `pushes` in session sinks,
+    wake Join waiters with `wakes`."""
+
+    __slots__ = ("writes", "notes", "pushes", "wakes")
+
+    def __init__(self) -> None:
+        self.writes: list[Write] = []
+        self.notes: list[Note] = []
+        self.pushes: list[tuple[object, SessionEvent]] = []  # (session sink, event)
+        self.wakes: list[tuple[str, WaitOutcome]] = []  # (job id, outcome)
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.notes or self.pushes or self.wakes)
+
+    def __repr__(self) -> str:
+        return f"Actions(writes={self.writes!r}, notes={self.notes!r}, pushes={self.pushes!r}, wakes={self.wakes!r})"
+
+
+class Rendezvous:
+    """Every job the server holds, and the rules for joining and leaving them.
+
+    Every method runs to completion synchronously; those that change state
+    return `Actions`. The clock is injected.
+    """
+
+    FAILED_JOB_TTL_S = 300.0
+
+    def __init__(
+        self,
+        *,
+        lease_ttl_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        new_member_id: Callable[[], str] | None = None,
+    ) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self._clock = clock
+        self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
+        self._jobs: dict[str, Job] = {}
+        self._seq = 0
+        # Jobs that failed, kept a while after their last worker left so that
+        # DescribeJob can still say why.
+        self._failed: dict[str, tuple[JobView, float]] = {}
+        self._leases = Deadlines()  # (job id, member id)
+        self._last_calls = Deadlines()  # job id
+        self._tombstones = Deadlines()  # job id
+
+    def now(self) -> float:
+        """The injected clock: what deadlines are measured on."""
+        return self._clock()
+
+    # -- joining -------------------------------------------------------------
+
+    def join(self, p: JoinParams) -> tuple[Joined, Actions, NewWorld | None]:
+        """Registers a worker, or re-attaches one that joined before with the
+        same member id; forms the world when the spec allows.
+
+        Returns:
+            The membership, the actions, and the world the worker already sits
+            in (a re-attached member of a formed world), else None.
+
+        Raises:
+            Conflict: the spec, a node rank, a role or the address family
+                disagrees with the job, the job has failed or ended, or a
+                member id is reused with other parameters.
+            AlreadyExists: the local rank or node rank is held by another worker.
+            JobFull: the job (or the role) already has all its workers.
+        """
+        job = self._jobs.get(p.job_id)
+        if job is not None and p.member_id and p.member_id in job.members:
+            return self._reattach(job, p)
+        if job is not None:
+            self._check_admissible(job, p)
+            node = job.nodes.get(p.node_key)
+            if node is not None:
+                self._check_node(job, node, p)
+            elif p.node_rank is not None and p.node_rank in job.node_ranks:
+                raise AlreadyExists(
+                    f"node_rank {p.node_rank} is already held by node {job.node_ranks[p.node_rank]!r} "
+                    f"in job {p.job_id!r}; node {p.node_key!r} cannot take it"
+                )
+
+        now = self._clock()
+        actions = Actions()
+        if job is None:
+            p.spec.check_declared(p.job_id, p.role)
+            self._failed.pop(p.job_id, None)
+            job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now)
+            actions.writes.append(PutJob(self._record(job)))
+        member_id = p.member_id or self._new_member_id()
+        self._seq += 1
+        member = self._add_member(job, member_id, p, self._seq)
+        job.last_arrival = now
+        actions.writes.append(PutMember(job.job_id, _member_record(member_id, member)))
+        actions.notes.append(Note("join", {"job": job.job_id, "member": member_id, "node": member.node_key, "role": p.role,
+                                           "joined": len(job.members), "world_size": job.spec.world_size}))
+        if job.state is JobState.FORMED:
+            waiting = len(job.members) - job.placed
+            self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
+        else:
+            self._maybe_form(job, actions)
+        self._arm_last_call(job)
+        return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members)), actions, None
+
+    @staticmethod
+    def _add_member(job: Job, member_id: str, p: JoinParams, seq: int) -> Member:
+        """Enters a member in the job's node, rank and role bookkeeping (undone by _remove)."""
+        node = job.nodes.get(p.node_key)
+        if node is None:
+            node = job.nodes[p.node_key] = Node(p.node_key, p.address)
+        if p.node_rank is not None and node.node_rank is None:
+            node.node_rank = p.node_rank
+            job.node_ranks[p.node_rank] = node.key
+        if p.local_rank is not None:
+            node.local_ranks[p.local_rank] = member_id
+        node.workers += 1
+        job.role_counts[p.role] = job.role_counts.get(p.role, 0) + 1
+        member = job.members[member_id] = Member(node, p, seq)
+        return member
+
+    def _reattach(self, job: Job, p: JoinParams) -> tuple[Joined, Actions, NewWorld | None]:
+        member = job.members[p.member_id]
+        same = (member.node_key, member.address, member.local_rank, member.node_rank, member.role) == (
+            p.node_key, p.address, p.local_rank, p.node_rank, p.role)
+        if not same or job.spec != p.spec:
+            raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with other parameters")
+        actions = Actions()
+        joined = Joined(job.job_id, p.member_id, self.lease_ttl_s, len(job.members))
+        if job.in_world(p.member_id):
+            if job.state is JobState.FORMED:
+                return joined, actions, NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
+            return joined, actions, None
+        member.lease_deadline = math.inf  # bound to this call again
+        if member.port != p.port:
+            member.port = p.port
+            actions.writes.append(PutMember(job.job_id, _member_record(p.member_id, member)))
+        self._maybe_form(job, actions)
+        return joined, actions, None
+
+    def _check_admissible(self, job: Job, p: JoinParams) -> None:
+        if job.spec != p.spec:
+            raise Conflict(f"job {job.job_id!r} has {job.spec.difference(p.spec)}")
+        if job.state is JobState.FAILED:
+            raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
+        if job.state is JobState.ENDED:
+            raise Conflict(f"job {job.job_id!r} has ended ({job.reason}); use another job id or wait until its members have left")
+        if len(job.members) >= job.spec.world_size:
+            raise JobFull(
+                f"job {job.job_id!r} already has all {job.spec.world_size} workers "
+                f"(generation {job.generation}); node {p.node_key!r} cannot join it"
+            )
+        job.spec.check_declared(job.job_id, p.role)
+        declared = job.spec.role_count(p.role)
+        if declared is not None and job.role_counts.get(p.role, 0) >= declared:
+            raise JobFull(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
+        if p.loopback != job.loopback:
+            first = next(iter(job.nodes.values()))
+            raise Conflict(
+                f"job {job.job_id!r}: node {first.key!r} advertises {first.address} but this worker "
+                f"(node {p.node_key!r}) advertises {p.address}; a job cannot mix loopback and "
+                f"routable addresses, since peers on other hosts cannot reach a loopback address"
+            )
+
+    @staticmethod
+    def _check_node(job: Job, node: Node, p: JoinParams) -> None:
+        if p.node_rank is not None:
+            if node.node_rank is not None and node.node_rank != p.node_rank:
+                raise Conflict(
+                    f"node {node.key!r} of job {job.job_id!r} has node_rank {node.node_rank} but this "
+                    f"worker asked for node_rank {p.node_rank}"
+                )
+            holder = job.node_ranks.get(p.node_rank)
+            if holder is not None and holder != node.key:
+                raise AlreadyExists(f"node_rank {p.node_rank} is already held by node {holder!r} in job {job.job_id!r}")
+        if p.local_rank is not None and p.local_rank in node.local_ranks:
+            raise AlreadyExists(
+                f"local_rank {p.local_rank} on node {node.key!r} of job {job.job_id!r} is already held by another worker"
+            )
+
+    def withdraw(self, job_id: str, member_id: str) -> Actions:
+        """The member's Join call ended. Unless it was placed in a world, this
+        removes it; placed, its lease governs."""
+        actions = Actions()
+        job = self._jobs.get(job_id)
+        member = job.members.get(member_id) if job is not None else None
+        if member is None or member.lease_deadline != math.inf or job.in_world(member_id):
+            return actions
+        self._remove(job, member_id, "withdrawn", actions)
+        return actions
+
+    # -- forming ---------------------------------------------------------------
+
+    def _change(self, job: Job, reason: str, actions: Actions) -> None:
+        """FORMED -> FORMING: the world of this generation is to be replaced."""
+        now = self._clock()
+        job.state = JobState.FORMING
+        job.forming_since = now
+        job.reason = reason
+        job.announced = False
+        stale_before = now + self.lease_ttl_s / 2
+        job.suspects = {mid for mid in job.survivors() if job.members[mid].lease_deadline < stale_before}
+        actions.notes.append(Note("reforming", {"job": job.job_id, "generation": job.generation, "reason": reason}))
+        self._maybe_form(job, actions)
+        if job.state is JobState.FORMING:
+            self._announce(job, actions)
+            actions.writes.append(PutJob(self._record(job)))
+
+    def _announce(self, job: Job, actions: Actions) -> None:
+        """Tells the survivors that the world is re-forming (once per change)."""
+        if job.announced:
+            return
+        job.announced = True
+        change = WorldChange(job.generation, job.reason)
+        for mid in job.survivors():
+            sink = job.members[mid].session
+            if sink is not None:
+                actions.pushes.append((sink, change))
+
+    def _formable(self, job: Job) -> int | None:
+        """How many workers the next world takes now, or None to keep waiting."""
+        spec = job.spec
+        if job.state is not JobState.FORMING or job.suspects:
+            return None
+        n = len(job.members)
+        if n >= spec.world_size:
+            return spec.world_size if spec.admissible(spec.world_size) else None
+        if spec.min_size is None or n < spec.min_size:
+            return None
+        # The last call collects arrivals; survivors re-forming without
+        # newcomers have nobody to wait for.
+        if n > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
+            return None
+        return spec.largest_world(n)
+
+    def _maybe_form(self, job: Job, actions: Actions) -> None:
+        n = self._formable(job)
+        if n is not None:
+            self._form(job, n, actions)
+
+    def _form(self, job: Job, n: int, actions: Actions) -> None:
+        previous = job.plan
+        if previous is None:
+            chosen = list(job.members.items())[:n]  # join order
+        else:
+            ranks = previous.ranks
+            chosen = sorted(job.members.items(), key=lambda item: (0, ranks[item[0]]) if item[0] in ranks else (1, item[1].seq))[:n]
+        candidates = [m.candidate(mid, previous.placement(mid) if previous is not None else None) for mid, m in chosen]
+        try:
+            plan = plan_world(candidates, job.spec.at_size(n))
+        except PlanError as exc:
+            self._stop(job, JobState.FAILED, str(exc), "cannot form", actions)
+            return
+        if plan.master_port == 0:
+            # Rank 0's spare port serves an earlier world's store and it has
+            # not offered another yet: await it like a survivor not heard from.
+            job.suspects.add(plan.seating.nodes[0].members[0])
+            self._announce(job, actions)
+            return
+        now = self._clock()
+        reason = job.reason if previous is not None else ""
+        job.state = JobState.FORMED
+        job.generation += 1
+        job.previous_plan, job.plan = previous, plan
+        job.reason, job.suspects, job.announced = reason, set(), False
+        job.placed = n
+        for mid, m in chosen:
+            if m.lease_deadline == math.inf:  # newly placed: its lease starts now
+                m.lease_deadline = now + self.lease_ttl_s
+                self._leases.push(m.lease_deadline, (job.job_id, mid))
+        rank0 = plan.seating.nodes[0].members[0]
+        job.members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
+        actions.writes.append(PutMember(job.job_id, _member_record(rank0, job.members[rank0])))
+        actions.writes.append(PutJob(self._record(job)))
+        world = NewWorld(job.job_id, job.generation, plan, previous, reason)
+        if previous is not None:
+            change = WorldChange(job.generation - 1, reason)
+            for mid, m in job.members.items():
+                if m.session is not None:
+                    if mid in plan.ranks:
+                        actions.pushes.append((m.session, world))
+                    elif mid in previous.ranks:  # a survivor this world has no seat for: it waits for the next
+                        actions.pushes.append((m.session, change))
+        actions.wakes.append((job.job_id, world))
+        actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": n,
+                                             "nodes": plan.num_nodes, "seconds": round(now - job.forming_since, 3)}))
+        job.forming_since = now
+
+    def _stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
+        """The job cannot go on: FAILED or ENDED. Every session and waiter hears why."""
+        job.state, job.reason, job.suspects = state, reason, set()
+        actions.notes.append(Note("failed" if state is JobState.FAILED else "ended", {"job": job.job_id, "reason": reason}))
+        actions.writes.append(PutJob(self._record(job)))
+        gone = Gone(f"job {job.job_id!r} {verb}: {reason}")
+        actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
+        actions.wakes.append((job.job_id, JobStopped(f"job {job.job_id!r} cannot form: {reason}")))
+
+    def _arm_last_call(self, job: Job) -> None:
+        if job.state is JobState.FORMING and job.spec.min_size is not None and not job.last_call_armed:
+            job.last_call_armed = True
+            self._last_calls.push(job.last_arrival + job.spec.last_call_s, job.job_id)
+
+    # -- sessions, leases and leaving --------------------------------------------
+
+    def open_session(self, job_id: str, member_id: str, generation: int, sink: object,
+                     spare_port: int = 0) -> tuple[float, list[SessionEvent], Actions]:
+        """Attaches a session sink to a member and renews its lease.
+
+        Returns:
+            The lease TTL, the events the member missed (to send first), and actions.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        member = self._member(job, member_id)
+        missed: list[SessionEvent] = []
+        if job.in_world(member_id):
+            if job.state is JobState.FORMED and generation < job.generation:
+                missed.append(NewWorld(job_id, job.generation, job.plan, job.previous_plan, job.reason))
+            elif job.state is JobState.FORMING and job.announced:
+                missed.append(WorldChange(job.generation, job.reason))
+        member.session = sink
+        _, actions = self.renew(job_id, member_id, generation, spare_port)
+        return self.lease_ttl_s, missed, actions
+
+    def close_session(self, job_id: str, member_id: str, sink: object) -> None:
+        job = self._jobs.get(job_id)
+        member = job.members.get(member_id) if job is not None else None
+        if member is not None and member.session is sink:
+            member.session = None  # the lease runs on; a new session may take over
+
+    def renew(self, job_id: str, member_id: str, generation: int, spare_port: int = 0) -> tuple[int, Actions]:
+        """Renews a member's lease; records a spare port it offers for a later world.
+
+        A spare port counts only from a member that holds the current
+        generation (an older message may still carry a port that rank 0 has
+        since given to the TCPStore).
+
+        Returns:
+            The job's current generation, and actions.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        member = self._member(job, member_id)
+        actions = Actions()
+        if member.lease_deadline != math.inf:  # unplaced members are bound to their Join call instead
+            member.lease_deadline = self._clock() + self.lease_ttl_s
+        if spare_port and generation == job.generation and spare_port != member.port:
+            member.port = spare_port
+            actions.writes.append(PutMember(job_id, _member_record(member_id, member)))
+        if job.suspects and member_id in job.suspects and member.port:
+            job.suspects.discard(member_id)
+            self._maybe_form(job, actions)
+        return job.generation, actions
+
+    def keep_alive(self, job_id: str, member_id: str, generation: int) -> tuple[float, int, Actions]:
+        """Renews a member's lease (the unary form).
+
+        Returns:
+            (lease ttl in seconds, the job's current generation, actions).
+
+        Raises:
+            NotFound: unknown job or member.
+            StaleGeneration: `generation` is neither 0 nor the job's current one.
+        """
+        job = self._job(job_id)
+        self._member(job, member_id)
+        if generation and generation != job.generation:
+            raise StaleGeneration(
+                f"member {member_id} of job {job_id!r} holds generation {generation} but the "
+                f"current generation is {job.generation}"
+            )
+        current, actions = self.renew(job_id, member_id, generation)
+        return self.lease_ttl_s, current, actions
+
+    def leave(self, job_id: str, member_id: str) -> Actions:
+        """Removes a member.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        self._member(job, member_id)
+        actions = Actions()
+        self._remove(job, member_id, "left", actions)
+        return actions
+
+    def next_deadline(self) -> float:
+        """The earliest time (on the injected clock) at which `expire_due` may have work."""
+        return min(self._leases.next(), self._last_calls.next(), self._tombstones.next())
+
+    def expire_due(self, limit: int = 1000) -> tuple[Actions, bool]:
+        """Removes members whose lease ran out, forms elastic worlds whose last
+        call has passed, and forgets failed jobs kept long enough.
+
+        At most `limit` members are removed per call, so that an expiry storm
+        yields the event loop between calls.
+
+        Returns:
+            The actions, and whether more is due already.
+        """
+        now = self._clock()
+        actions = Actions()
+        removed = popped = 0
+        while removed < limit and popped < 20 * limit:
+            entry = self._leases.pop_due(now)
+            if entry is None:
+                break
+            popped += 1
+            job_id, member_id = entry[1]
+            job = self._jobs.get(job_id)
+            member = job.members.get(member_id) if job is not None else None
+            if member is None or member.lease_deadline == math.inf:
+                continue  # gone, or bound to a Join call again
+            if member.lease_deadline > now:
+                self._leases.push(member.lease_deadline, entry[1])  # renewed since: wait for the new deadline
+                continue
+            self._remove(job, member_id, "expired", actions)
+            removed += 1
+        while (entry := self._last_calls.pop_due(now)) is not None:
+            job = self._jobs.get(entry[1])
+            if job is None:
+                continue
+            job.last_call_armed = False
+            if job.state is JobState.FORMING and job.spec.min_size is not None:
+                if now < job.last_arrival + job.spec.last_call_s:
+                    self._arm_last_call(job)
+                else:
+                    self._maybe_form(job, actions)
+        while (entry := self._tombstones.pop_due(now)) is not None:
+            kept = self._failed.get(entry[1])
+            if kept is not None and kept[1] <= now:
+                del self._failed[entry[1]]
+        return actions, self.next_deadline() <= now
+
+    def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
+        member = job.members.pop(member_id)
+        in_world = job.in_world(member_id)
+        job.placed -= in_world
+        job.suspects.discard(member_id)
+        node = job.nodes[member.node_key]
+        node.workers -= 1
+        job.role_counts[member.role] -= 1
+        if member.local_rank is not None:
+            node.local_ranks.pop(member.local_rank, None)
+        if node.workers == 0:
+            del job.nodes[node.key]
+            if node.node_rank is not None:
+                job.node_ranks.pop(node.node_rank, None)
+        actions.writes.append(DeleteMember(job.job_id, member_id))
+        actions.notes.append(Note("removed", {"job": job.job_id, "member": member_id, "why": why}))
+        if member.session is not None and why != "left":
+            actions.pushes.append((member.session, Gone(f"member {member_id} {why}")))
+        if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
+            actions.wakes.append((job.job_id, MemberGone(member_id)))
+        if not job.members:
+            if job.state is JobState.FAILED:
+                until = self._clock() + self.FAILED_JOB_TTL_S
+                self._failed[job.job_id] = (self.describe(job.job_id), until)
+                self._tombstones.push(until, job.job_id)
+            del self._jobs[job.job_id]
+            actions.writes.append(DeleteJob(job.job_id))
+        elif in_world and job.generation > 0 and job.state in (JobState.FORMED, JobState.FORMING):
+            self._lost(job, member_id, member, why, actions)
+        elif job.state is JobState.FORMING:
+            self._maybe_form(job, actions)  # a waiting worker's leaving may be all that held the world back
+
+    def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions) -> None:
+        """A member of a formed (or re-forming) world is gone."""
+        rank = job.plan.ranks.get(member_id)
+        what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {why}"
+        if len(job.members) < job.spec.min_world:
+            reason = f"{what}; {len(job.members)} workers remain, fewer than the minimum of {job.spec.min_world}"
+            self._stop(job, JobState.ENDED if why == "left" else JobState.FAILED, reason, "cannot continue", actions)
+        elif job.state is JobState.FORMED:
+            self._change(job, what, actions)
+        else:
+            job.reason = what
+            self._maybe_form(job, actions)
+
+    # -- restart -----------------------------------------------------------------
+
+    def restore(self, records: Iterable[JobRecord], grace_s: float) -> tuple[int, Actions]:
+        """Loads the jobs a store held after a restart.
+
+        Leases restart with `grace_s` to spare; forming members must re-attach
+        (retry their Join) within it. Survivors of a world that was re-forming
+        are awaited until they renew (their sessions reconnect) or expire.
+
+        Returns:
+            How many jobs were restored, and actions (jobs found empty are deleted).
+        """
+        now = self._clock()
+        actions = Actions()
+        for record in records:
+            spec = record.spec
+            job = Job(record.job_id, spec, False, now)
+            job.state, job.generation, job.reason = JobState(record.state), record.generation, record.reason
+            if record.world is not None:
+                job.plan = build_plan(record.world, spec.at_size(record.world.world_size))
+            for mr in record.members:
+                p = JoinParams(job.job_id, spec, mr.node_key, mr.address, mr.port, mr.local_rank, mr.node_rank, False, mr.role)
+                m = self._add_member(job, mr.member_id, p, mr.seq)
+                placed = job.in_world(mr.member_id)
+                job.placed += placed
+                m.lease_deadline = now + (self.lease_ttl_s if placed else 0) + grace_s
+                self._leases.push(m.lease_deadline, (job.job_id, mr.member_id))
+                self._seq = max(self._seq, mr.seq)
+            if not job.members:
+                actions.writes.append(DeleteJob(job.job_id))
+                continue
+            if job.state is JobState.FORMING and job.generation > 0:
+                job.suspects, job.announced = set(job.survivors()), True
+            job.loopback = ipaddress.ip_address(next(iter(job.members.values())).address).is_loopback
+            self._jobs[job.job_id] = job
+            self._arm_last_call(job)
+        return len(self._jobs), actions
+
+    # -- reading -----------------------------------------------------------------
+
+    def world_of(self, job_id: str) -> NewWorld | None:
+        """The job's current world, if it has formed."""
+        job = self._jobs.get(job_id)
+        if job is None or job.state is not JobState.FORMED:
+            return None
+        return NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
+
+    def describe(self, job_id: str) -> JobView:
+        """Raises NotFound for an unknown job."""
+        if job_id not in self._jobs and job_id in self._failed:
+            return self._failed[job_id][0]
+        job = self._job(job_id)
+        roles: dict[str, dict[str, int]] = {}
+        for m in job.members.values():
+            per_node = roles.setdefault(m.node_key, {})
+            per_node[m.role] = per_node.get(m.role, 0) + 1
+        formed = job.state is JobState.FORMED
+        ranked = {n.node_key: n.node_rank for n in job.plan.nodes} if formed else {}
+        keys = sorted(job.nodes, key=lambda k: (ranked.get(k, math.inf), node_sort_key(k)))
+        nodes = tuple(
+            NodeView(k, job.nodes[k].address, job.nodes[k].workers,
+                     ranked.get(k) if formed else job.nodes[k].node_rank, tuple(sorted(roles.get(k, {}).items())))
+            for k in keys
+        )
+        if job.state in (JobState.FAILED, JobState.ENDED):
+            reason = job.reason
+        elif formed:
+            reason = ""
+        elif job.suspects:
+            reason = (f"re-forming ({job.reason}): {len(job.suspects)} survivors not heard from since the change are "
+                      f"awaited; {job.shortfall()}")
+        else:
+            reason = f"waiting: {job.shortfall()}"
+        return JobView(
+            job_id=job.job_id,
+            state=job.state,
+            generation=job.generation,
+            spec=job.spec,
+            joined=len(job.members),
+            missing=max(job.spec.min_world - len(job.members), 0) if job.state is JobState.FORMING else 0,
+            nodes=nodes,
+            reason=reason,
+            forming_for_s=self._clock() - job.forming_since,
+            missing_nodes=tuple(k for k in job.spec.expected_nodes if k not in job.nodes),
+            waiting=len(job.members) - job.placed if formed else 0,
+            not_ready=len(job.suspects),
+        )
+
+    def job_ids(self) -> list[str]:
+        """Jobs held, and failed jobs still described, sorted."""
+        return sorted({*self._jobs, *self._failed})
+
+    def stats(self) -> Stats:
+        """Counts for metrics (linear in the number of jobs, not members)."""
+        members = placed = 0
+        for job in self._jobs.values():
+            members += len(job.members)
+            placed += job.placed
+        oldest = self._oldest_lease()
+        age = 0.0 if oldest == math.inf else max(0.0, self._clock() - (oldest - self.lease_ttl_s))
+        return Stats(len(self._jobs), members, members - placed, age)
+
+    def _oldest_lease(self) -> float:
+        """The earliest lease deadline, bringing stale heap entries up to date on the way."""
+        while (top := self._leases.next()) != math.inf:
+            entry = self._leases.pop_due(top)
+            job_id, member_id = entry[1]
+            job = self._jobs.get(job_id)
+            member = job.members.get(member_id) if job is not None else None
+            if member is None or member.lease_deadline == math.inf:
+                continue
+            self._leases.push(member.lease_deadline, entry[1])
+            if member.lease_deadline == top:
+                return top
+        return math.inf
+
+    def _job(self, job_id: str) -> Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"no job {elide(job_id)} on this server")
+        return job
+
+    @staticmethod
+    def _member(job: Job, member_id: str) -> Member:
+        member = job.members.get(member_id)
+        if member is None:
+            raise NotFound(
+                f"member {elide(member_id)} is not in job {job.job_id!r} (it left, its lease expired, "
+                f"or it never joined); join again"
+            )
+        return member
+
+    @staticmethod
+    def _record(job: Job) -> JobRecord:
+        return JobRecord(job.job_id, job.spec, job.state.value, job.generation, job.reason,
+                         job.plan.seating if job.plan is not None else None)
+
+
+def _member_record(member_id: str, m: Member) -> MemberRecord:
+    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role)

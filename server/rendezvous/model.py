@@ -1,0 +1,289 @@
+"""The rendezvous model: jobs, nodes and members as the state machine holds
+them, and the values that cross its boundary (requests, assignments, session
+events, waiter outcomes, views). Pure: no asyncio, no grpc."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from commctx.addresses import canonical_ip
+
+from ..errors import InvalidArgument
+from ..planning import NODE_KEY, Candidate, JobSpec, Placement, WorldPlan, check_name, check_role, elide
+
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
+CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
+
+
+def check_job_id(value: str) -> str:
+    if not value:
+        raise InvalidArgument("job_id is empty")
+    if len(value) > 128:
+        raise InvalidArgument(f"job_id {elide(value, 32)} is {len(value)} characters; at most 128 allowed")
+    return check_name("job_id", value, JOB_ID, "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+
+
+def check_member_id(value: str) -> str:
+    if not value:
+        raise InvalidArgument("member_id is empty")
+    return check_name("member_id", value, MEMBER_ID, "a member id is the hex string Join returned")
+
+
+class JoinParams(NamedTuple):
+    """A validated join request. Build with `JoinParams.build`."""
+
+    job_id: str
+    spec: JobSpec
+    node_key: str
+    address: str
+    port: int  # a port the worker holds in LISTEN (its spare: rank 0 serves the TCPStore on it)
+    local_rank: int | None = None
+    node_rank: int | None = None
+    loopback: bool = False  # whether `address` is a loopback address
+    role: str = ""
+    member_id: str = ""  # client-chosen, to re-attach; empty: the server picks
+
+    @classmethod
+    def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
+              node_rank: int | None = None, role: str = "", member_id: str = "") -> JoinParams:
+        """Validates a join request.
+
+        Raises:
+            InvalidArgument: naming the first bad field and its value.
+        """
+        check_job_id(job_id)
+        if not node_key:
+            raise InvalidArgument("node_key is empty")
+        if len(node_key) > 253:
+            raise InvalidArgument(f"node_key {elide(node_key, 32)} is {len(node_key)} characters; at most 253 allowed")
+        check_name("node_key", node_key, NODE_KEY, "use letters, digits, '.', '_', ':' and '-', starting with a letter or digit")
+        if role:
+            check_role(role)
+        try:
+            address, loopback = canonical_ip(address)
+        except ValueError as exc:
+            raise InvalidArgument(f"address {exc}; advertise an address peers can reach") from None
+        if not 1 <= port <= 65535:
+            raise InvalidArgument(f"master_port {port} is out of range 1..65535")
+        if local_rank is not None and local_rank >= spec.world_size:
+            raise InvalidArgument(f"local_rank {local_rank} is not below world_size {spec.world_size}")
+        if node_rank is not None and node_rank >= spec.world_size:
+            raise InvalidArgument(f"node_rank {node_rank} is not below world_size {spec.world_size}")
+        if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
+            raise InvalidArgument(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
+        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id)
+
+
+class JobState(enum.Enum):
+    FORMING = "forming"
+    FORMED = "formed"
+    FAILED = "failed"
+    ENDED = "ended"
+
+
+class Joined(NamedTuple):
+    job_id: str
+    member_id: str
+    lease_ttl_s: float
+    joined: int
+
+
+class Assignment(NamedTuple):
+    """A member's seat in the world of one generation."""
+
+    job_id: str
+    generation: int
+    placement: Placement
+    plan: WorldPlan
+    changed_groups: tuple[str, ...] = ()
+    previous_rank: int | None = None
+    reason: str = ""  # why this generation formed ("" for a job's first world)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewWorld:
+    """A world that formed: the event pushed to its survivors, and what its
+    Join waiters wake to. Each member's Assignment is derived on demand, by
+    whoever delivers it, so forming a world of ten thousand costs the state
+    machine one object rather than ten thousand."""
+
+    job_id: str
+    generation: int
+    plan: WorldPlan
+    previous: WorldPlan | None  # the world it replaces
+    reason: str = ""
+
+    def assignment_for(self, member_id: str) -> Assignment | None:
+        p = self.plan.placement(member_id)
+        if p is None:
+            return None
+        before = self.previous.placement(member_id) if self.previous is not None else None
+        groups = self.plan.groups_of(p)
+        if before is None:
+            changed = tuple(g.mode for g in groups)
+        else:
+            # RankSets are canonical: equal runs mean equal members, with no list expanded.
+            old = {g.mode: g.ranks for g in self.previous.groups_of(before)}
+            changed = tuple(g.mode for g in groups if old.get(g.mode) != g.ranks)
+        return Assignment(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason)
+
+
+class WorldChange(NamedTuple):
+    """The world of `generation` is being re-formed and the next one cannot form yet."""
+
+    generation: int
+    reason: str
+
+
+class Gone(NamedTuple):
+    """The member is gone, or its job cannot continue. Final."""
+
+    reason: str
+
+
+SessionEvent = WorldChange | NewWorld | Gone
+
+
+class JobStopped(NamedTuple):
+    """Waiter outcome: the job failed or ended; every waiter hears why."""
+
+    reason: str
+
+
+class MemberGone(NamedTuple):
+    """Waiter outcome: this member left or expired while waiting."""
+
+    member_id: str
+
+
+WaitOutcome = NewWorld | JobStopped | MemberGone
+
+
+class Note(NamedTuple):
+    """Something operators hear of (a log line, a metric): `event` and its fields."""
+
+    event: str
+    fields: Mapping[str, Any]
+
+
+class Member:
+    # Few objects per member: thousands of these outlive the join burst, and
+    # each small object pins the allocator page it landed on.
+    __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease_deadline", "session")
+
+    def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
+        self.node_key = node.key
+        self.address = node.address if p.address == node.address else p.address
+        self.port = p.port  # its spare listening port; 0 once used as rank 0's, until it offers another
+        self.local_rank = p.local_rank
+        self.node_rank = p.node_rank
+        self.role = p.role
+        self.seq = seq  # join order, kept across restarts
+        self.lease_deadline = math.inf  # bound to its Join call until placed
+        self.session: Any = None  # the open session's sink (the executor puts events in it)
+
+    def candidate(self, member_id: str, previous: Placement | None) -> Candidate:
+        return Candidate(
+            member_id, self.node_key, self.address, self.port, self.local_rank, self.node_rank, self.role,
+            previous.node_rank if previous else None, previous.local_rank if previous else None,
+        )
+
+
+class Node:
+    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers")
+
+    def __init__(self, key: str, address: str) -> None:
+        self.key = key
+        self.address = address
+        self.node_rank: int | None = None
+        self.local_ranks: dict[int, str] = {}  # explicit local rank -> member id
+        self.workers = 0
+
+
+class Job:
+    __slots__ = (
+        "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
+        "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
+        "last_call_armed",
+    )
+
+    def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.state = JobState.FORMING
+        self.generation = 0
+        self.members: dict[str, Member] = {}  # insertion order = join order
+        self.nodes: dict[str, Node] = {}
+        self.node_ranks: dict[int, str] = {}  # explicit node rank -> node key
+        self.plan: WorldPlan | None = None  # the current world's (while re-forming: the one being replaced)
+        self.previous_plan: WorldPlan | None = None  # the world `plan` replaced (for a late session's changed_groups)
+        self.reason = ""  # why it failed or ended; while re-forming, why; once formed, why this generation formed
+        self.forming_since = now
+        self.last_arrival = now
+        self.loopback = loopback
+        self.role_counts: dict[str, int] = {}
+        self.placed = 0  # members that are in `plan`
+        self.suspects: set[str] = set()  # re-forming: survivors not heard from lately, awaited before forming
+        self.announced = False  # re-forming: survivors were told the world cannot form at once
+        self.last_call_armed = False
+
+    def in_world(self, member_id: str) -> bool:
+        """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""
+        return self.plan is not None and member_id in self.plan.ranks
+
+    def survivors(self) -> list[str]:
+        """Members seated in `plan` that are still here."""
+        return [mid for mid in self.members if self.in_world(mid)]
+
+    def shortfall(self) -> str:
+        nodes = ", ".join(f"{n.key}×{n.workers}" for n in list(self.nodes.values())[:16])
+        if len(self.nodes) > 16:
+            nodes += f", ... ({len(self.nodes)} nodes)"
+        missing = self.spec.min_world - len(self.members)
+        what = f"{len(self.members)} of {self.spec.world_size} workers joined (nodes present: {nodes or 'none'})"
+        if self.spec.min_size is not None:
+            return what + (f"; {missing} missing for the minimum of {self.spec.min_size}" if missing > 0 else "; waiting for the last call")
+        return f"{what}; {missing} missing"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeView:
+    node_key: str
+    address: str
+    workers: int
+    node_rank: int | None
+    roles: tuple[tuple[str, int], ...] = ()  # workers per role, by role name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobView:
+    """What DescribeJob reports."""
+
+    job_id: str
+    state: JobState
+    generation: int
+    spec: JobSpec
+    joined: int
+    missing: int
+    nodes: tuple[NodeView, ...]
+    reason: str
+    forming_for_s: float
+    missing_nodes: tuple[str, ...] = ()  # expected node keys not present
+    waiting: int = 0  # joined a formed world, wait for the next generation
+    not_ready: int = 0  # re-forming: survivors awaited before the next world can form
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stats:
+    """Counts for metrics, read as one consistent snapshot."""
+
+    jobs: int
+    members: int
+    waiting: int
+    oldest_keepalive_s: float

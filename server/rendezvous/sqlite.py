@@ -1,0 +1,236 @@
+"""The SQLite store: one file under the state directory, in WAL mode.
+
+Schema version 2 (`PRAGMA user_version`), named columns throughout; specs and
+seatings are JSON objects with named fields (store.py). Version 1 (the first
+release's file: the spec as the wire message's bytes, worlds as positional
+JSON tuples) is migrated in place when opened.
+
+Fencing: the `writer` table holds the current epoch. `take_over` increments
+it; every commit runs as `BEGIN IMMEDIATE` (SQLite's write lock), checks the
+epoch it was given, and writes only if it is still the current one, so a
+server that another has replaced on the same file learns so from its next
+write.
+
+synchronous=NORMAL: a commit is durable against the process being killed
+(kill -9), which is what a restart needs; against power loss the last
+commits before the failure may be lost (the workers then re-join).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import sqlite3
+import threading
+from collections.abc import Sequence
+
+from ..planning import Candidate, PlanError, seat
+from .store import (
+    DeleteJob,
+    DeleteMember,
+    Fenced,
+    JobRecord,
+    MemberRecord,
+    PutJob,
+    PutMember,
+    Store,
+    StoreError,
+    Write,
+    seating_from_record,
+    seating_record,
+    spec_from_json,
+    spec_json,
+)
+
+SCHEMA_VERSION = 2
+FILE_NAME = "commctx.sqlite3"
+
+_SCHEMA = """
+    CREATE TABLE writer (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL);
+    INSERT INTO writer VALUES (1, 0);
+    CREATE TABLE jobs (
+        job_id TEXT PRIMARY KEY, state TEXT NOT NULL, generation INTEGER NOT NULL,
+        reason TEXT NOT NULL, spec TEXT NOT NULL, world TEXT);
+    CREATE TABLE members (
+        job_id TEXT NOT NULL, member_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        node_key TEXT NOT NULL, address TEXT NOT NULL, port INTEGER NOT NULL,
+        local_rank INTEGER, node_rank INTEGER, role TEXT NOT NULL,
+        PRIMARY KEY (job_id, member_id));
+"""
+
+_PUT_JOB = "INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world) VALUES (?, ?, ?, ?, ?, ?)"
+_PUT_MEMBER = (
+    "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_DELETE_MEMBER = "DELETE FROM members WHERE job_id = ? AND member_id = ?"
+
+
+class SqliteStore(Store):
+    """SQLite in WAL mode at `state_dir`/commctx.sqlite3."""
+
+    blocking = True
+
+    def __init__(self, state_dir: str | pathlib.Path) -> None:
+        """Opens (creating or migrating) the database.
+
+        Raises:
+            StoreError: the directory or database cannot be used; the message names the path.
+        """
+        directory = pathlib.Path(state_dir)
+        self.path = directory / FILE_NAME
+        self._lock = threading.Lock()  # commits run in a worker thread; one at a time
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._db: sqlite3.Connection | None = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._open_schema()
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot use the state database {self.path}: {exc}") from exc
+
+    def _open_schema(self) -> None:
+        db = self._db
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"{self.path} has schema version {version}; this server reads up to {SCHEMA_VERSION}")
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if "jobs" in tables:
+                _migrate_v1(db)
+            else:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def take_over(self) -> int:
+        with self._lock:
+            db = self._connection()
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("UPDATE writer SET epoch = epoch + 1")
+            (epoch,) = db.execute("SELECT epoch FROM writer").fetchone()
+            db.execute("COMMIT")
+            return epoch
+
+    def commit(self, writes: Sequence[Write], epoch: int) -> None:
+        with self._lock:
+            db = self._connection()
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot write {self.path}: {exc}") from exc
+            try:
+                (current,) = db.execute("SELECT epoch FROM writer").fetchone()
+                if current != epoch:
+                    raise Fenced(f"{self.path}: epoch {epoch} was fenced by epoch {current}")
+                _apply(db, writes)
+                db.execute("COMMIT")
+            except BaseException as exc:
+                with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have rolled back already
+                    db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"cannot write {self.path}: {exc}") from exc
+                raise
+
+    def load(self) -> list[JobRecord]:
+        with self._lock:
+            db = self._connection()
+            members: dict[str, list[MemberRecord]] = {}
+            rows = db.execute(
+                "SELECT job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role FROM members ORDER BY seq")
+            for job_id, *fields in rows:
+                members.setdefault(job_id, []).append(MemberRecord(*fields))
+            jobs = []
+            for job_id, state, generation, reason, spec, world in db.execute(
+                    "SELECT job_id, state, generation, reason, spec, world FROM jobs ORDER BY job_id"):
+                jobs.append(JobRecord(
+                    job_id, spec_from_json(spec), state, generation, reason,
+                    seating_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())),
+                ))
+            return jobs
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError(f"{self.path} is closed")
+        return self._db
+
+
+def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
+    """Executes `writes` in order; consecutive writes of one kind go as one executemany."""
+    start = 0
+    for i in range(1, len(writes) + 1):
+        if i < len(writes) and type(writes[i]) is type(writes[start]):
+            continue
+        run = writes[start:i]
+        kind = type(run[0])
+        if kind is PutMember:
+            db.executemany(_PUT_MEMBER, [(w.job_id, *w.record) for w in run])
+        elif kind is PutJob:
+            db.executemany(_PUT_JOB, [_job_row(w.record) for w in run])
+        elif kind is DeleteMember:
+            db.executemany(_DELETE_MEMBER, run)
+        elif kind is DeleteJob:
+            db.executemany("DELETE FROM members WHERE job_id = ?", [(w.job_id,) for w in run])
+            db.executemany("DELETE FROM jobs WHERE job_id = ?", [(w.job_id,) for w in run])
+        start = i
+
+
+def _job_row(job: JobRecord) -> tuple:
+    world = json.dumps(seating_record(job.world), separators=(",", ":")) if job.world is not None else None
+    return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world)
+
+
+def _migrate_v1(db: sqlite3.Connection) -> None:
+    """Schema 1 -> 2, inside the caller's transaction.
+
+    Version 1 stored each spec as the wire message's bytes and each world as
+    the planner's input (positional tuples); version 2 stores named fields
+    and the seating itself. Only this migration reads the wire format, so the
+    codec is imported here, not at module level.
+    """
+    from commctx.v1 import rendezvous_pb2 as pb
+
+    from ..rpc.codec import spec_from_message
+
+    old_members = db.execute(
+        "SELECT job_id, member_id, seq, node_key, address, master_port, local_rank, node_rank, role FROM members").fetchall()
+    old_jobs = db.execute("SELECT job_id, spec, state, generation, reason, world FROM jobs").fetchall()
+    db.execute("DROP TABLE members")
+    db.execute("DROP TABLE jobs")
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
+    consumed: set[tuple[str, str]] = set()  # (job, member) whose port rank 0's TCPStore holds
+    jobs = []
+    for job_id, spec_bytes, state, generation, reason, world_json in old_jobs:
+        spec = spec_from_message(pb.JobSpec.FromString(spec_bytes))
+        inputs = [Candidate(*fields) for fields in json.loads(world_json)]
+        world = None
+        if inputs:
+            try:
+                world = seat(inputs, spec.at_size(len(inputs)))
+            except PlanError as exc:  # it formed once, so this cannot happen unless the file was edited
+                raise StoreError(f"job {job_id!r}: its stored world no longer seats: {exc}") from exc
+            consumed.add((job_id, world.nodes[0].members[0]))
+        jobs.append(_job_row(JobRecord(job_id, spec, state, generation, reason, world)))
+    db.executemany(_PUT_JOB, jobs)
+    db.executemany(_PUT_MEMBER, [
+        (job_id, member_id, seq, node_key, address, 0 if (job_id, member_id) in consumed else port, local_rank, node_rank, role)
+        for job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role in old_members
+    ])

@@ -1,0 +1,186 @@
+"""Where the rendezvous state lives between restarts: the store's records, its
+write vocabulary, the fencing contract, and the in-memory stores.
+
+The state machine returns the writes each transition implies (`PutJob`,
+`PutMember`, `DeleteMember`, `DeleteJob`); the executor commits them through a
+`Store`, in order, before anyone hears of what they record. Leases are not
+stored: after a restart every member gets a fresh lease plus a grace period.
+A world is stored as its `Seating` (who sits where); planning is
+deterministic, so the groups are rebuilt identically.
+
+Fencing: a server becomes the writer with `take_over()`, which returns a new
+epoch and fences every earlier one; `commit(writes, epoch)` raises `Fenced`
+once another writer has taken over. (SQLite: an epoch row checked inside the
+write transaction. etcd: a transaction comparing the leader key's revision.)
+
+`NullStore` keeps nothing (the server's `--store memory`: the state machine's
+own structures are the state); `MemoryStore` keeps the records in this
+process (the reference implementation of the contract tests); `SqliteStore`
+(sqlite.py) keeps them in a file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ..planning import JobSpec, SeatedNode, Seating
+
+
+class Fenced(Exception):
+    """Another writer has taken over the store; this one must stop writing."""
+
+
+class StoreError(Exception):
+    """The store cannot be opened or written; the message names the path and the reason."""
+
+
+class MemberRecord(NamedTuple):  # a NamedTuple: one is built per join
+    member_id: str
+    seq: int  # join order
+    node_key: str
+    address: str
+    port: int  # the member's spare listening port (0: none until it offers one)
+    local_rank: int | None
+    node_rank: int | None
+    role: str
+
+
+class JobRecord(NamedTuple):
+    job_id: str
+    spec: JobSpec
+    state: str  # a JobState value
+    generation: int
+    reason: str
+    world: Seating | None  # the current world (while re-forming: the one being replaced)
+    members: tuple[MemberRecord, ...] = ()  # filled by load(), in join order
+
+
+class PutJob(NamedTuple):
+    record: JobRecord
+
+
+class PutMember(NamedTuple):
+    job_id: str
+    record: MemberRecord
+
+
+class DeleteMember(NamedTuple):
+    job_id: str
+    member_id: str
+
+
+class DeleteJob(NamedTuple):
+    """Deletes the job and every member it still has."""
+
+    job_id: str
+
+
+Write = PutJob | PutMember | DeleteMember | DeleteJob
+
+
+class Store:
+    """The interface every store implements (tests/test_store.py is its contract)."""
+
+    # Whether commit() does I/O; the executor then runs it in a worker thread.
+    blocking = False
+
+    def take_over(self) -> int:
+        """Becomes the store's writer; returns the new epoch. Every earlier epoch is fenced."""
+        raise NotImplementedError
+
+    def load(self) -> list[JobRecord]:
+        """Every job with its members, as last committed, ordered by job id."""
+        raise NotImplementedError
+
+    def commit(self, writes: Sequence[Write], epoch: int) -> None:
+        """Applies `writes` in order, atomically and durably.
+
+        Raises:
+            Fenced: `epoch` is no longer the store's writer; nothing was written.
+            StoreError: the writes could not be made durable; nothing was written.
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases the store. Idempotent."""
+
+
+class NullStore(Store):
+    """Keeps nothing: state lives only in the server's memory."""
+
+    def take_over(self) -> int:
+        return 1
+
+    def load(self) -> list[JobRecord]:
+        return []
+
+    def commit(self, writes: Sequence[Write], epoch: int) -> None:
+        pass
+
+
+class MemoryStore(Store):
+    """Keeps records in this process; shared by the "restarts" of contract tests."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, JobRecord] = {}
+        self._members: dict[str, dict[str, MemberRecord]] = {}
+        self._epoch = 0
+
+    def take_over(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def commit(self, writes: Sequence[Write], epoch: int) -> None:
+        if epoch != self._epoch:
+            raise Fenced(f"epoch {epoch} was fenced by epoch {self._epoch}")
+        for w in writes:
+            if isinstance(w, PutMember):
+                self._members.setdefault(w.job_id, {})[w.record.member_id] = w.record
+            elif isinstance(w, PutJob):
+                self._jobs[w.record.job_id] = w.record
+                self._members.setdefault(w.record.job_id, {})
+            elif isinstance(w, DeleteMember):
+                self._members.get(w.job_id, {}).pop(w.member_id, None)
+            else:
+                self._jobs.pop(w.job_id, None)
+                self._members.pop(w.job_id, None)
+
+    def load(self) -> list[JobRecord]:
+        return [
+            job._replace(members=tuple(sorted(self._members.get(job_id, {}).values(), key=lambda m: m.seq)))
+            for job_id, job in sorted(self._jobs.items())
+        ]
+
+
+# -- the stored form of specs and seatings: named fields, the store's own schema ----
+
+
+@functools.lru_cache(maxsize=1024)  # every PutJob of a job carries the same spec
+def spec_json(spec: JobSpec) -> str:
+    """A spec as stored: its JSON form (JobSpec.to_json), named fields."""
+    return json.dumps(spec.to_json(), separators=(",", ":"))
+
+
+def spec_from_json(text: str) -> JobSpec:
+    return JobSpec.from_json(json.loads(text))
+
+
+def seating_record(s: Seating) -> dict[str, Any]:
+    return {
+        "nodes": [{"node_key": n.node_key, "address": n.address, "members": list(n.members)} for n in s.nodes],
+        "roles": list(s.roles),
+        "master_addr": s.master_addr,
+        "master_port": s.master_port,
+    }
+
+
+def seating_from_record(record: dict[str, Any]) -> Seating:
+    return Seating(
+        tuple(SeatedNode(n["node_key"], n["address"], tuple(n["members"])) for n in record["nodes"]),
+        tuple(record["roles"]),
+        record["master_addr"],
+        record["master_port"],
+    )

@@ -1,0 +1,1 @@
+"""The RPC edge: the wire codec, the gRPC servicer and the server's wiring."""

@@ -1,0 +1,186 @@
+"""Wiring: the grpc.aio server with the rendezvous, health and reflection
+services, an optional health-only port, the metrics endpoint, the state
+machine with its store and executor, and an orderly stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from commctx.addresses import host_port
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from ..rendezvous.executor import Executor, Waiters
+from ..rendezvous.machine import Rendezvous
+from ..rendezvous.model import Stats
+from ..rendezvous.store import Fenced, NullStore, Store
+from ..telemetry import Telemetry, event
+from .servicer import RendezvousServicer
+
+log = logging.getLogger("commctx.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Rendezvous"].full_name
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class RendezvousServer:
+    """A running server. Create with `start_server`; stop with `stop` (idempotent)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.health_port: int | None = None
+        self.metrics_port: int | None = None
+        self.machine: Rendezvous
+        self.telemetry: Telemetry
+        self.executor: Executor
+        self.servicer: RendezvousServicer
+        # Set when another server took over the store: this one must stop.
+        self.deposed = asyncio.Event()
+        self._servers: list[grpc.aio.Server] = []
+        self._health = health.aio.HealthServicer()
+        self._tasks: list[asyncio.Task] = []
+        self._metrics: tuple | None = None
+        self._store: Store = NullStore()
+        self._stopped = False
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Drains: health NOT_SERVING (watchers see it), new joins refused with
+        UNAVAILABLE, in-flight calls finish within `grace_s`; then the executor
+        carries out what is queued, background tasks and the metrics endpoint
+        stop, and the store closes. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.servicer.draining = True
+        await self._health.enter_graceful_shutdown()
+        await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+        await self.executor.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._metrics is not None:
+            httpd, thread = self._metrics
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(5)
+        await asyncio.to_thread(self._store.close)
+
+    async def _set_health(self, status: int) -> None:
+        if not self._stopped:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, status)
+
+    def _store_error(self, exc: Exception | None) -> None:
+        # While the store refuses writes nothing new is announced: tell probes.
+        self._tasks.append(asyncio.ensure_future(self._set_health(NOT_SERVING if exc is not None else SERVING)))
+
+    def _fenced(self, exc: Fenced) -> None:
+        self.servicer.draining = True
+        self._tasks.append(asyncio.ensure_future(self._set_health(NOT_SERVING)))
+        self.deposed.set()
+
+
+def _grpc_server() -> grpc.aio.Server:
+    return grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
+            # Clients ping every 30 s while a Join waits; allow it.
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # A whole job joins at once; gRPC core would cancel calls beyond 3,000 queued.
+            ("grpc.server.max_pending_requests", 1 << 17),
+            ("grpc.server.max_pending_requests_hard_limit", 1 << 18),
+        ]
+    )
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
+    try:
+        return server.add_insecure_port(host_port(host, port))
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {host_port(host, port)}: {exc}") from exc
+
+
+async def start_server(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    lease_ttl_s: float = 10.0,
+    health_port: int | None = None,
+    metrics_port: int | None = None,
+    store: Store | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> RendezvousServer:
+    """Starts a rendezvous server on host:port (port 0: any free port).
+
+    Args:
+        store: where state is kept (default: memory only). The server takes it
+            over (fencing any earlier writer) and restores the jobs it holds,
+            every lease with one more TTL of grace.
+        health_port: also serve grpc.health.v1 alone on this port (0: any free
+            port; None: not at all).
+        metrics_port: serve Prometheus metrics over HTTP on this port (0: any
+            free port; None: not at all).
+
+    Raises:
+        RuntimeError: an address could not be bound.
+        StoreError: the store cannot be used.
+    """
+    out = RendezvousServer()
+    loop = asyncio.get_running_loop()
+    out._store = store = store if store is not None else NullStore()
+    epoch = store.take_over()
+    out.machine = machine = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock)
+    restored, actions = machine.restore(store.load(), grace_s=lease_ttl_s)
+    if restored:
+        event("restored", jobs=restored, grace_s=lease_ttl_s)
+
+    async def snapshot() -> Stats:
+        return machine.stats()
+
+    def stats() -> Stats:  # called from the metrics thread: the loop takes the snapshot
+        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
+
+    registry = prometheus_client.CollectorRegistry()
+    out.telemetry = Telemetry(registry, stats)
+    waiters = Waiters()
+    out.executor = Executor(machine, store, epoch, waiters, out.telemetry.record,
+                            on_store_error=out._store_error, on_fenced=out._fenced)
+    out.executor.start()
+    out.executor.submit(actions)
+    out.servicer = RendezvousServicer(machine, out.executor, waiters, out.telemetry.rpc_error)
+
+    server = _grpc_server()
+    pb_grpc.add_RendezvousServicer_to_server(out.servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        out.port = _listen(server, host, port)
+        out._servers.append(server)
+        if health_port is not None:
+            probe = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(out._health, probe)
+            out.health_port = _listen(probe, host, health_port)
+            out._servers.append(probe)
+    except BaseException:
+        await out.executor.stop()
+        raise
+    for s in out._servers:
+        await s.start()
+    await out._set_health(SERVING)
+    if metrics_port is not None:
+        httpd, thread = prometheus_client.start_http_server(metrics_port, addr=host, registry=registry)
+        out._metrics = (httpd, thread)
+        out.metrics_port = httpd.server_port
+    out._tasks.append(asyncio.create_task(out.telemetry.loop_lag.run(), name="commctx-loop-lag"))
+    return out

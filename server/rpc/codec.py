@@ -1,0 +1,194 @@
+"""The wire codec, at the RPC edge: protocol messages to and from the domain's
+values (spec <-> JobSpec, join request -> JoinParams, assignment -> message,
+views -> descriptions), and domain errors -> gRPC status with a standard
+google.rpc.ErrorInfo in its details. Nothing else in the server touches
+protobuf."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+from google.protobuf import any_pb2, json_format
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from commctx.v1 import rendezvous_pb2 as pb
+
+from ..errors import (
+    AlreadyExists,
+    Conflict,
+    InvalidArgument,
+    JobFull,
+    NotFound,
+    RendezvousError,
+    StaleGeneration,
+    Unavailable,
+    WaitTimeout,
+)
+from ..planning import JobSpec, PlannedGroup, elide
+from ..rendezvous.model import Assignment, Gone, JobState, JobView, JoinParams, NewWorld, SessionEvent, WorldChange
+
+log = logging.getLogger("commctx.server")
+
+DOMAIN = "commctx"
+MAX_DETAILS = 1024  # error texts stay far below gRPC's metadata limit
+
+# The one table from domain errors to status codes and ErrorInfo reasons.
+STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
+    InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_REQUEST),
+    Conflict: (grpc.StatusCode.FAILED_PRECONDITION, pb.JOB_CONFLICT),
+    StaleGeneration: (grpc.StatusCode.FAILED_PRECONDITION, pb.STALE_GENERATION),
+    AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, pb.RANK_TAKEN),
+    JobFull: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.JOB_FULL),
+    NotFound: (grpc.StatusCode.NOT_FOUND, pb.MEMBER_NOT_FOUND),
+    WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, pb.RENDEZVOUS_TIMEOUT),
+    Unavailable: (grpc.StatusCode.UNAVAILABLE, pb.SERVER_UNAVAILABLE),
+}
+
+_STATE = {
+    JobState.FORMING: pb.JobDescription.FORMING,
+    JobState.FORMED: pb.JobDescription.FORMED,
+    JobState.FAILED: pb.JobDescription.FAILED,
+    JobState.ENDED: pb.JobDescription.ENDED,
+}
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+def error_status(exc: BaseException) -> grpc.Status:
+    """The status a failed call answers with: code, bounded message, ErrorInfo details."""
+    if isinstance(exc, RendezvousError):
+        code, reason = STATUS_OF[type(exc)]
+        message = str(exc)
+    else:
+        log.error("internal error", exc_info=exc)
+        code, reason, message = grpc.StatusCode.INTERNAL, pb.ERROR_REASON_UNSPECIFIED, f"internal error: {type(exc).__name__}"
+    if len(message) > MAX_DETAILS:
+        message = message[: MAX_DETAILS - 3] + "..."
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=pb.ErrorReason.Name(reason), domain=DOMAIN))
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+
+
+# -- specs -----------------------------------------------------------------------------
+
+
+def spec_from_message(m: pb.JobSpec) -> JobSpec:
+    """Validates a wire JobSpec, through its JSON form (see JobSpec.build for what is checked).
+
+    Raises:
+        InvalidArgument: a malformed field, named.
+        Conflict: sizes or counts no world of this size can satisfy.
+    """
+    return JobSpec.from_json(json_format.MessageToDict(m, preserving_proto_field_name=True))
+
+
+@functools.lru_cache(maxsize=256)  # every worker of a job sends the same spec
+def _spec_of_bytes(wire: bytes) -> JobSpec:
+    return spec_from_message(pb.JobSpec.FromString(wire))
+
+
+def spec_to_message(spec: JobSpec) -> pb.JobSpec:
+    """The wire form of a spec (for describing jobs)."""
+    return json_format.ParseDict(spec.to_json(), pb.JobSpec())
+
+
+# -- requests --------------------------------------------------------------------------
+
+
+def join_params(r: pb.JoinRequest) -> JoinParams:
+    """Validates a JoinRequest.
+
+    Raises:
+        InvalidArgument: naming the first bad field and its value.
+        Conflict: a spec no world of its size can satisfy.
+    """
+    spec = _spec_of_bytes(r.spec.SerializeToString(deterministic=True))
+    return JoinParams.build(
+        job_id=r.job_id, spec=spec, node_key=r.node_key, address=r.address, port=r.master_port,
+        local_rank=r.local_rank if r.HasField("local_rank") else None,
+        node_rank=r.node_rank if r.HasField("node_rank") else None,
+        role=r.role, member_id=r.member_id,
+    )
+
+
+# -- answers ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)  # every member of a group shares the same message
+def _group_message(group: PlannedGroup) -> pb.Group:
+    runs = [pb.RankRun(start=r.start, count=r.count, stride=r.stride) for r in group.ranks]
+    return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs), cpu_twin=group.cpu_twin, root=group.root)
+
+
+def fill_assignment(m: pb.Assignment, a: Assignment) -> None:
+    """Writes `a` into `m` (in place: this runs once per worker of every world)."""
+    plan, p = a.plan, a.placement
+    m.job_id = a.job_id
+    m.generation = a.generation
+    m.rank = p.rank
+    m.world_size = plan.world_size
+    m.node_rank = p.node_rank
+    m.num_nodes = plan.num_nodes
+    m.local_rank = p.local_rank
+    m.local_world_size = plan.nodes[p.node_rank].size
+    m.master_addr = plan.master_addr
+    m.master_port = plan.master_port
+    m.dist_url = plan.dist_url
+    if plan.roles:
+        m.role = plan.roles[p.rank]
+    m.groups.extend([_group_message(g) for g in plan.groups_of(p)])
+    m.changed_groups.extend(a.changed_groups)
+    if a.previous_rank is not None:
+        m.previous_rank = a.previous_rank
+    if a.reason:
+        m.reason = a.reason
+
+
+def join_response(member_id: str, lease_ttl_s: float, a: Assignment) -> pb.JoinResponse:
+    response = pb.JoinResponse(member_id=member_id, lease_ttl_ms=round(lease_ttl_s * 1000))
+    fill_assignment(response.assignment, a)
+    return response
+
+
+def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | None:
+    """The message for a session event; None when the event holds nothing for this member."""
+    if isinstance(event, NewWorld):
+        a = event.assignment_for(member_id)
+        if a is None:
+            return None
+        out = pb.SessionEvent()
+        fill_assignment(out.assignment, a)
+        return out
+    if isinstance(event, WorldChange):
+        return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason))
+    if isinstance(event, Gone):
+        return pb.SessionEvent(gone=event.reason)
+    raise TypeError(f"not a session event: {elide(event)}")
+
+
+def description_message(v: JobView) -> pb.JobDescription:
+    return pb.JobDescription(
+        job_id=v.job_id,
+        state=_STATE[v.state],
+        generation=v.generation,
+        spec=spec_to_message(v.spec),
+        joined=v.joined,
+        missing=v.missing,
+        nodes=[
+            pb.NodeDescription(
+                node_key=n.node_key, address=n.address, workers=n.workers,
+                node_rank=n.node_rank if n.node_rank is not None else 0,
+                roles=[pb.RoleCount(role=r, count=c) for r, c in n.roles],
+            )
+            for n in v.nodes
+        ],
+        reason=v.reason,
+        forming_for_s=v.forming_for_s,
+        missing_nodes=v.missing_nodes,
+        waiting=v.waiting,
+        not_ready=v.not_ready,
+    )

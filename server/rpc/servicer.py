@@ -1,0 +1,166 @@
+"""The gRPC adapter: decode, call the state machine, hand its actions to the
+executor, encode. No business logic lives here; every error leaves through
+`codec.error_status` (never UNKNOWN)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import grpc
+
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from ..errors import NotFound, Unavailable, WaitTimeout
+from ..rendezvous.executor import Executor, Waiters
+from ..rendezvous.machine import Rendezvous
+from ..rendezvous.model import Gone, check_job_id, check_member_id
+from . import codec
+
+T = TypeVar("T")
+
+
+class RendezvousServicer(pb_grpc.RendezvousServicer):
+    """Serves commctx.v1.Rendezvous over the state machine."""
+
+    def __init__(self, machine: Rendezvous, executor: Executor, waiters: Waiters,
+                 rpc_error: Callable[[str, str], None] = lambda method, code: None) -> None:
+        self._machine = machine
+        self._executor = executor
+        self._waiters = waiters
+        self._rpc_error = rpc_error
+        self.draining = False
+
+    async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+        status = codec.error_status(exc)
+        self._rpc_error(method, status.code.name)
+        await context.abort(status.code, status.details, status.trailing_metadata)
+
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # every failure leaves through the status table
+            error = exc
+        await self._abort(context, method, error)
+        raise AssertionError("unreachable: abort raises")
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+        try:
+            if self.draining:
+                raise Unavailable("the server is shutting down; join another rendezvous server or retry")
+            params = codec.join_params(request)
+            joined, actions, placed = self._machine.join(params)
+        except Exception as exc:
+            await self._abort(context, "Join", exc)
+        job_id, member_id = params.job_id, joined.member_id
+        timeout = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else None
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Answer with who is missing before the caller's own deadline cuts the call.
+            cap = remaining - min(1.0, remaining * 0.1)
+            timeout = cap if timeout is None else min(timeout, cap)
+        # Registered before the actions run: the world may form with this very join.
+        waiter = self._waiters.add(job_id, member_id, timeout) if placed is None else None
+        self._executor.submit(actions)
+        error: BaseException
+        try:
+            if waiter is not None:
+                world = await waiter
+            else:  # a re-attached member of a formed world: answer once that world is durable
+                await self._executor.settled()
+                world = placed
+            return codec.join_response(member_id, joined.lease_ttl_s, world.assignment_for(member_id))
+        except TimeoutError:
+            error = WaitTimeout(f"job {job_id!r} did not form within {timeout:g} s: {self._why_waiting(job_id)}")
+        except Exception as exc:
+            error = exc
+        finally:  # a no-op once placed; before that, a caller that went away is withdrawn
+            if waiter is not None:
+                self._waiters.discard(job_id, member_id, waiter)
+            self._executor.submit(self._machine.withdraw(job_id, member_id))
+        await self._abort(context, "Join", error)
+
+    def _why_waiting(self, job_id: str) -> str:
+        try:
+            return self._machine.describe(job_id).reason
+        except NotFound:
+            return "the job is gone"
+
+    async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> None:
+        # The first message names the member; every message renews its lease.
+        # Events the executor puts in the member's sink are written as they
+        # come (through context.read/write, so `requests` is not iterated).
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        sink: asyncio.Queue = asyncio.Queue()
+        try:
+            job_id, member_id = check_job_id(first.job_id), check_member_id(first.member_id)
+            ttl, missed, actions = self._machine.open_session(job_id, member_id, first.generation, sink, first.spare_port)
+        except NotFound as exc:  # a renewal for an unknown member: "gone, re-join", not an error
+            await context.write(pb.SessionEvent(gone=str(exc)))
+            return
+        except Exception as exc:
+            await self._abort(context, "Session", exc)
+            return
+        for event in missed:
+            sink.put_nowait(event)
+        self._executor.submit(actions)
+        await context.write(pb.SessionEvent(lease_ttl_ms=round(ttl * 1000)))
+        reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
+        try:
+            while True:
+                event = await sink.get()
+                if event is None:  # the reader saw the client finish
+                    return
+                message = codec.session_event(event, member_id)
+                if message is not None:
+                    await context.write(message)
+                if isinstance(event, Gone):
+                    return
+        finally:
+            reader.cancel()
+            self._machine.close_session(job_id, member_id, sink)
+
+    async def _renewals(self, context: grpc.aio.ServicerContext, job_id: str, member_id: str, sink: asyncio.Queue) -> None:
+        while True:
+            request = await context.read()
+            if request is grpc.aio.EOF:
+                sink.put_nowait(None)
+                return
+            try:
+                _, actions = self._machine.renew(job_id, member_id, request.generation, request.spare_port)
+            except NotFound as exc:
+                sink.put_nowait(Gone(str(exc)))
+                return
+            if actions:
+                self._executor.submit(actions)
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
+        def renew() -> pb.KeepAliveResponse:
+            ttl, generation, actions = self._machine.keep_alive(
+                check_job_id(request.job_id), check_member_id(request.member_id), request.generation)
+            self._executor.submit(actions)
+            return pb.KeepAliveResponse(lease_ttl_ms=round(ttl * 1000), generation=generation)
+
+        return await self._call(context, "KeepAlive", renew)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        try:
+            actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id))
+            await self._executor.carry_out(actions)  # answered once the departure is durable
+        except Exception as exc:
+            await self._abort(context, "Leave", exc)
+        return pb.LeaveResponse()
+
+    async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription:
+        return await self._call(
+            context, "DescribeJob", lambda: codec.description_message(self._machine.describe(check_job_id(request.job_id))))
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        def jobs() -> pb.ListJobsResponse:
+            return pb.ListJobsResponse(jobs=[codec.description_message(self._machine.describe(j)) for j in self._machine.job_ids()])
+
+        return await self._call(context, "ListJobs", jobs)

@@ -1,0 +1,500 @@
+"""The state machine's transitions, tested as data: each call returns the
+actions it implies (writes, pushes to session sinks, waiter wakes, notes),
+with an injected clock and no event loop. Elastic sizes, re-forming, the rank
+rule, leases and restarts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from commctx.server.errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration
+from commctx.server.planning import JobSpec
+from commctx.server.rendezvous.machine import Actions, Rendezvous
+from commctx.server.rendezvous.model import (
+    Gone,
+    JobState,
+    JobStopped,
+    JoinParams,
+    MemberGone,
+    NewWorld,
+    WorldChange,
+)
+from commctx.server.rendezvous.store import DeleteJob, DeleteMember, MemoryStore, PutJob, PutMember
+
+TTL = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Sink:
+    """A session sink: what the executor would put in it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Sink({self.name})"
+
+
+def elastic(max_size: int, min_size: int, last_call_ms: int = 1000, **kw) -> JobSpec:
+    return JobSpec.from_json({"world_size": max_size, "elastic": {"min_size": min_size, "last_call_ms": last_call_ms}, **kw})
+
+
+def params(spec: JobSpec, node: str = "n", *, job: str = "job", port: int = 30000, local_rank: int | None = None,
+           member_id: str = "", address: str = "10.0.0.1", role: str = "") -> JoinParams:
+    return JoinParams.build(job_id=job, spec=spec, node_key=node, address=address, port=port, local_rank=local_rank,
+                            role=role, member_id=member_id)
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def rdzv(clock):
+    ids = iter(f"{i:04x}" for i in range(1, 10_000))
+    return Rendezvous(lease_ttl_s=TTL, clock=clock, new_member_id=lambda: next(ids))
+
+
+def join(rdzv: Rendezvous, p: JoinParams) -> tuple[str, Actions]:
+    joined, actions, placed = rdzv.join(p)
+    assert placed is None
+    return joined.member_id, actions
+
+
+def worlds(actions: Actions) -> list[NewWorld]:
+    return [o for _, o in actions.wakes if isinstance(o, NewWorld)]
+
+
+def pushed(actions: Actions, sink: Sink) -> list:
+    return [event for s, event in actions.pushes if s is sink]
+
+
+def ranks(rdzv: Rendezvous, job: str = "job") -> dict[str, int]:
+    return dict(rdzv._jobs[job].plan.ranks)  # noqa: SLF001 - reading the plan is the point
+
+
+def sessions(rdzv: Rendezvous, members, generation: int = 1, job: str = "job") -> dict[str, Sink]:
+    out = {}
+    for m in members:
+        out[m] = Sink(m)
+        rdzv.open_session(job, m, generation, out[m], spare_port=40000 + len(out))
+    return out
+
+
+# -- forming ---------------------------------------------------------------------------------
+
+
+def test_a_fixed_world_forms_when_the_last_worker_joins(rdzv):
+    spec = JobSpec.build(3)
+    first, actions = join(rdzv, params(spec, "b"))
+    assert [type(w) for w in actions.writes] == [PutJob, PutMember] and not actions.wakes
+    assert actions.notes[0].event == "join" and actions.notes[0].fields["joined"] == 1
+    join(rdzv, params(spec, "a"))
+    last, actions = join(rdzv, params(spec, "a"))
+    (world,) = worlds(actions)
+    assert (world.generation, world.plan.world_size, world.reason) == (1, 3, "")
+    assert ranks(rdzv) == {"0002": 0, last: 1, first: 2}  # node a before node b; join order within a
+    # the world is written (job record with its seating; rank 0's spare now serves the store) ...
+    job_record = next(w.record for w in actions.writes if isinstance(w, PutJob))
+    assert (job_record.state, job_record.generation) == ("formed", 1)
+    assert [list(n.members) for n in job_record.world.nodes] == [["0002", last], [first]]
+    rank0 = next(w.record for w in actions.writes if isinstance(w, PutMember) and w.record.member_id == "0002")
+    assert rank0.port == 0
+    # ... the waiters woken with it, and operators told
+    assert [n.event for n in actions.notes][-1] == "formed"
+    a = world.assignment_for(first)
+    assert (a.placement.rank, a.placement.node_rank, a.placement.local_rank, a.changed_groups) == (
+        2, 1, 0, ("GLOBAL", "INTRA_NODE", "INTER_NODE"))
+
+
+def test_conflicts_are_refused_and_change_nothing(rdzv):
+    spec = JobSpec.build(3)
+    first, _ = join(rdzv, params(spec, "a", local_rank=0))
+    with pytest.raises(Conflict, match="job 'job' has world_size=3 but this worker asked for world_size=4"):
+        rdzv.join(params(JobSpec.build(4), "a"))
+    with pytest.raises(AlreadyExists, match="local_rank 0 on node 'a' of job 'job' is already held by another worker"):
+        rdzv.join(params(spec, "a", local_rank=0))
+    with pytest.raises(Conflict, match="cannot mix loopback and routable addresses"):
+        rdzv.join(params(spec, "b", address="127.0.0.1"))
+    assert rdzv.describe("job").joined == 1
+
+
+def test_roles_are_counted_and_checked(rdzv):
+    spec = JobSpec.from_json({"world_size": 2, "roles": [{"role": "trainer", "count": 1}, {"role": "rollout", "count": 1}]})
+    with pytest.raises(Conflict, match="declares roles trainer:1, rollout:1 but this worker joined as role 'critic'"):
+        rdzv.join(params(spec, role="critic"))
+    join(rdzv, params(spec, role="trainer"))
+    with pytest.raises(JobFull, match="already has all 1 workers of role 'trainer'"):
+        rdzv.join(params(spec, role="trainer"))
+    with pytest.raises(Conflict, match="declares roles trainer:1, rollout:1 but this worker joined as role 'critic'"):
+        rdzv.join(params(spec, role="critic"))
+
+
+def test_elastic_forms_at_max_at_once_and_at_min_after_the_last_call(rdzv, clock):
+    spec = elastic(4, 2, last_call_ms=1000)
+    a, _ = join(rdzv, params(spec))
+    b, _ = join(rdzv, params(spec))
+    assert rdzv.next_deadline() == clock.now + 1.0  # the last call, in the deadline heap
+    clock.now += 0.5
+    actions, more = rdzv.expire_due()
+    assert not actions and not more and rdzv.describe("job").state is JobState.FORMING
+    clock.now += 0.6
+    actions, _ = rdzv.expire_due()
+    (world,) = worlds(actions)
+    assert (world.generation, world.plan.world_size) == (1, 2) and set(world.plan.ranks) == {a, b}
+
+    spec4 = elastic(4, 2, last_call_ms=60_000)
+    for _ in range(3):
+        join(rdzv, params(spec4, job="big"))
+    _, actions = join(rdzv, params(spec4, job="big"))
+    assert worlds(actions)[0].plan.world_size == 4  # max reached: no last call
+
+
+def test_elastic_layout_forms_at_a_multiple_of_its_step(rdzv, clock):
+    spec = elastic(6, 2, last_call_ms=5000, layout={"tp": 2})
+    ids = [join(rdzv, params(spec))[0] for _ in range(3)]
+    clock.now += 5.1
+    rdzv.expire_due()
+    view = rdzv.describe("job")
+    assert (view.state, view.generation, view.waiting) == (JobState.FORMED, 1, 1)
+    assert sorted(ranks(rdzv).values()) == [0, 1] and ids[2] not in ranks(rdzv)  # 3 present, tp=2: a world of 2
+
+
+def test_a_world_that_cannot_form_fails_every_waiter(rdzv):
+    spec = JobSpec.build(2)
+    join(rdzv, params(spec, "x", local_rank=1))
+    _, actions = join(rdzv, params(spec, "y"))
+    (stopped,) = [o for _, o in actions.wakes]
+    assert isinstance(stopped, JobStopped) and stopped.reason == "job 'job' cannot form: node 'x' has 1 workers but one asked for local_rank 1"
+    assert rdzv.describe("job").state is JobState.FAILED
+    with pytest.raises(Conflict, match="cannot form"):
+        rdzv.join(params(spec, "z"))
+
+
+def test_a_retried_join_reattaches(rdzv, clock):
+    spec = JobSpec.build(2)
+    first, _ = join(rdzv, params(spec, member_id="aa" * 8, port=1))
+    joined, actions, placed = rdzv.join(params(spec, member_id="aa" * 8, port=2))
+    assert (joined.member_id, joined.joined, placed) == (first, 1, None)
+    assert [w.record.port for w in actions.writes] == [2]  # its new spare
+    with pytest.raises(Conflict, match="joined before with other parameters"):
+        rdzv.join(params(spec, "other-node", member_id="aa" * 8))
+    join(rdzv, params(spec))
+    _, _, placed = rdzv.join(params(spec, member_id="aa" * 8, port=2))  # placed already: answered at once
+    assert placed.generation == 1 and placed.assignment_for(first).placement.rank == 0
+
+
+def test_withdraw_before_forming_removes_after_forming_does_not(rdzv):
+    spec = JobSpec.build(3)
+    a, _ = join(rdzv, params(spec))
+    actions = rdzv.withdraw("job", a)
+    assert actions.writes == [DeleteMember("job", a), DeleteJob("job")] and not actions.wakes
+    assert rdzv.job_ids() == []
+    members = [join(rdzv, params(spec))[0] for _ in range(3)]
+    assert not rdzv.withdraw("job", members[0])
+    assert rdzv.describe("job").joined == 3
+
+
+# -- leases ----------------------------------------------------------------------------------
+
+
+def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, clock):
+    spec = JobSpec.build(2)
+    waiting, _ = join(rdzv, params(spec))
+    clock.now += 3600  # a forming member holds no lease: its open call binds it
+    assert rdzv.next_deadline() == math.inf
+    assert not rdzv.expire_due()[0]
+    other, _ = join(rdzv, params(spec))
+    clock.now += 9.0
+    assert rdzv.keep_alive("job", waiting, 1)[:2] == (TTL, 1)
+    clock.now += 2.0  # `other` is now 11 s without renewal, `waiting` 2 s
+    actions, _ = rdzv.expire_due()
+    assert DeleteMember("job", other) in actions.writes
+    assert [n.fields for n in actions.notes if n.event == "removed"] == [{"job": "job", "member": other, "why": "expired"}]
+    with pytest.raises(NotFound, match=f"member '{other}' is not in job 'job'"):
+        rdzv.keep_alive("job", other, 1)
+    view = rdzv.describe("job")  # a fixed-size world cannot go on with one of two
+    assert view.state is JobState.FAILED and "fewer than the minimum of 2" in view.reason
+    clock.now += 11.0
+    rdzv.expire_due()
+    assert rdzv.describe("job").state is JobState.FAILED  # kept a while to say why
+    clock.now += Rendezvous.FAILED_JOB_TTL_S
+    rdzv.expire_due()
+    assert rdzv.job_ids() == []
+
+
+def test_renewals_do_not_touch_the_deadline_heap(rdzv, clock):
+    spec = JobSpec.build(100)
+    members = [join(rdzv, params(spec, f"n{i % 10}"))[0] for i in range(100)]
+    heap = rdzv._leases  # noqa: SLF001 - the heap's size is the point
+    assert len(heap) == 100
+    for _ in range(30):  # 30 renewals of every member within one TTL
+        clock.now += TTL / 40
+        for m in members:
+            rdzv.renew("job", m, 1)
+    assert len(heap) == 100
+    clock.now += 0.1
+    actions, _ = rdzv.expire_due()  # the first entries come due: renewed, so pushed again
+    assert not actions and len(heap) == 100
+
+
+def test_an_expiry_storm_is_served_in_slices(rdzv, clock):
+    spec = JobSpec.build(50)
+    for i in range(50):
+        join(rdzv, params(spec, f"n{i}"))
+    clock.now += TTL + 1
+    actions, more = rdzv.expire_due(limit=20)
+    assert sum(1 for w in actions.writes if isinstance(w, DeleteMember)) == 20 and more
+    rdzv.expire_due(limit=20)
+    actions, more = rdzv.expire_due(limit=20)
+    assert not more and rdzv.job_ids() == ["job"]  # failed: kept to say why
+
+
+def test_keepalive_with_another_generation_is_stale(rdzv):
+    (m, _) = join(rdzv, params(JobSpec.build(1)))
+    with pytest.raises(StaleGeneration, match="holds generation 2 but the current generation is 1"):
+        rdzv.keep_alive("job", m, 2)
+    assert rdzv.keep_alive("job", m, 0)[:2] == (TTL, 1)  # 0: "I hold no assignment yet"
+
+
+def test_a_waiting_member_that_leaves_wakes_its_own_waiter(rdzv):
+    a, _ = join(rdzv, params(JobSpec.build(2)))
+    actions = rdzv.leave("job", a)
+    assert ("job", MemberGone(a)) in actions.wakes
+
+
+# -- re-forming ------------------------------------------------------------------------------
+
+
+def test_a_late_joiner_grows_the_world_and_survivors_get_one_message(rdzv, clock):
+    spec = elastic(3, 2, last_call_ms=0)
+    a, _ = join(rdzv, params(spec, "n0"))
+    b, _ = join(rdzv, params(spec, "n1"))
+    sinks = sessions(rdzv, [a, b])
+    c, actions = join(rdzv, params(spec, "n0"))
+    (world,) = worlds(actions)
+    assert world.generation == 2 and ranks(rdzv) == {a: 0, c: 1, b: 2}  # n0 (a, c), then n1 (b): b keeps node rank 1
+    assert pushed(actions, sinks[a]) == [world] and pushed(actions, sinks[b]) == [world]  # no WorldChange first
+    pa, pb_ = world.assignment_for(a), world.assignment_for(b)
+    assert (pa.previous_rank, pb_.previous_rank, pb_.placement.rank) == (0, 1, 2)
+    assert "1 worker waiting to join can grow the world" in pa.reason
+    assert set(pa.changed_groups) == {"GLOBAL", "INTRA_NODE", "INTER_NODE"}  # INTER [0, 1] became [0, 2]
+    assert world.plan.master_port == 40001  # a's spare, offered when its session opened
+    assert world.assignment_for(c).previous_rank is None
+
+
+def test_survivors_keep_their_node_and_local_ranks(rdzv, clock):
+    spec = elastic(4, 3, last_call_ms=60_000)
+    ids = [join(rdzv, params(spec, n))[0] for n in ("a", "a", "b", "b")]
+    assert [ranks(rdzv)[m] for m in ids] == [0, 1, 2, 3]
+    sinks = sessions(rdzv, ids)
+    clock.now += 9
+    for m in (ids[0], ids[2], ids[3]):
+        rdzv.renew("job", m, 1)
+    clock.now += 2  # ids[1] (node a, rank 1) has not renewed for 11 s; the others for 2 s
+    actions, _ = rdzv.expire_due()
+    (world,) = [e for e in pushed(actions, sinks[ids[0]])]
+    assert isinstance(world, NewWorld)
+    assert f"member {ids[1]} (node 'a', rank 1) expired" in world.reason
+    assert pushed(actions, sinks[ids[1]]) == [Gone(f"member {ids[1]} expired")]
+    assert {m: ranks(rdzv)[m] for m in (ids[0], ids[2], ids[3])} == {ids[0]: 0, ids[2]: 1, ids[3]: 2}
+    placed = [world.assignment_for(m).placement for m in (ids[0], ids[2], ids[3])]
+    assert [(p.node_rank, p.local_rank) for p in placed] == [(0, 0), (1, 0), (1, 1)]
+
+
+def test_only_groups_that_changed_are_marked(rdzv):
+    spec = elastic(4, 3, last_call_ms=5000)
+    ids = [join(rdzv, params(spec, n))[0] for n in ("a", "a", "b", "b")]
+    sessions(rdzv, ids)
+    (world,) = worlds(rdzv.leave("job", ids[3]))  # rank 3: node b, local rank 1; survivors alone: no last call
+    assert [world.assignment_for(m).placement.rank for m in ids[:3]] == [0, 1, 2]  # nobody moves
+    assert set(world.assignment_for(ids[0]).changed_groups) == {"GLOBAL"}  # INTRA [0, 1] and INTER [0, 2] stand
+    assert set(world.assignment_for(ids[1]).changed_groups) == {"GLOBAL", "INTER_NODE"}  # INTER [1, 3] became [1]
+    assert set(world.assignment_for(ids[2]).changed_groups) == {"GLOBAL", "INTRA_NODE"}
+
+
+def test_a_dead_hosts_other_workers_are_awaited_not_seated(rdzv, clock):
+    """A host's workers die together; their leases run out one by one. The
+    first expiry finds the others stale (not renewed for over half a TTL), so
+    the next world waits for them to renew or expire instead of seating them."""
+    spec = elastic(4, 2, last_call_ms=60_000)
+    ids = [join(rdzv, params(spec, n))[0] for n in ("a", "a", "b", "b")]
+    sinks = sessions(rdzv, ids)  # everyone renews at t=0
+    clock.now += 3
+    rdzv.renew("job", ids[3], 1)  # b1 renews at t=3, then host b dies
+
+    def a_renews_until(t: float) -> None:
+        while clock.now + TTL / 3 <= 1000 + t:  # a's workers renew every TTL/3
+            clock.now += TTL / 3
+            for m in ids[:2]:
+                rdzv.renew("job", m, 1)
+
+    a_renews_until(10.01)
+    clock.now = 1000 + 10.01
+    actions, _ = rdzv.expire_due()  # b0 runs out; b1 (renewed 7 s ago) is stale: awaited, not seated
+    assert DeleteMember("job", ids[2]) in actions.writes and not worlds(actions)
+    (change,) = pushed(actions, sinks[ids[0]])
+    assert isinstance(change, WorldChange) and "expired" in change.reason
+    view = rdzv.describe("job")
+    assert (view.state, view.not_ready) == (JobState.FORMING, 1)
+    a_renews_until(13.01)
+    clock.now = 1000 + 13.01
+    actions, _ = rdzv.expire_due()  # b1 runs out
+    (world,) = pushed(actions, sinks[ids[0]])
+    assert isinstance(world, NewWorld) and set(world.plan.ranks) == {ids[0], ids[1]}
+
+
+def test_a_survivor_that_renews_is_no_longer_awaited(rdzv, clock):
+    spec = elastic(3, 2, last_call_ms=60_000)
+    ids = [join(rdzv, params(spec, n))[0] for n in ("a", "b", "c")]
+    sessions(rdzv, ids)
+    clock.now += TTL * 0.6  # nobody renewed for 0.6 TTL: everyone is stale
+    actions = rdzv.leave("job", ids[2])
+    assert not worlds(actions) and rdzv.describe("job").not_ready == 2
+    _, actions = rdzv.renew("job", ids[0], 1)
+    assert not worlds(actions)
+    _, actions = rdzv.renew("job", ids[1], 1)
+    (world,) = worlds(actions)
+    assert world.generation == 2 and set(world.plan.ranks) == set(ids[:2])
+
+
+def test_rank_0s_spare_is_given_once(rdzv):
+    spec = elastic(3, 1, last_call_ms=0)
+    a, actions = join(rdzv, params(spec, "n0", port=1111))
+    assert worlds(actions)[0].plan.master_port == 1111
+    sink = Sink("a")
+    rdzv.open_session("job", a, 1, sink, spare_port=0)  # it has not offered a new spare yet
+    _, actions = join(rdzv, params(spec, "n1", port=2222))
+    assert not worlds(actions)  # rank 0 would be a again, whose port serves the old store
+    assert pushed(actions, sink) == [WorldChange(1, "1 worker waiting to join can grow the world")]
+    _, actions = rdzv.renew("job", a, 0, spare_port=3333)  # an old generation's message: its port does not count
+    assert not worlds(actions)
+    _, actions = rdzv.renew("job", a, 1, spare_port=3333)
+    assert worlds(actions)[0].plan.master_port == 3333
+
+
+def test_below_the_minimum_survivors_are_told_the_job_cannot_continue(rdzv, clock):
+    spec = JobSpec.build(2)
+    a, _ = join(rdzv, params(spec))
+    join(rdzv, params(spec))
+    sink = sessions(rdzv, [a])[a]
+    clock.now += 11
+    rdzv.renew("job", a, 1)
+    actions, _ = rdzv.expire_due()
+    (gone,) = pushed(actions, sink)
+    assert isinstance(gone, Gone) and "cannot continue" in gone.reason and "fewer than the minimum of 2" in gone.reason
+    assert rdzv.describe("job").state is JobState.FAILED
+    with pytest.raises(Conflict, match="cannot form"):
+        rdzv.join(params(spec))
+
+
+def test_a_graceful_leave_ends_a_fixed_job_without_failing_it(rdzv):
+    spec = JobSpec.build(2)
+    a, _ = join(rdzv, params(spec))
+    b, _ = join(rdzv, params(spec))
+    sink = sessions(rdzv, [b])[b]
+    actions = rdzv.leave("job", a)
+    assert rdzv.describe("job").state is JobState.ENDED
+    assert "cannot continue" in pushed(actions, sink)[0].reason
+    assert [n.event for n in actions.notes] == ["removed", "ended"]
+    rdzv.leave("job", b)
+    assert rdzv.job_ids() == []  # no tombstone: nothing failed
+
+
+def test_a_late_session_catches_up(rdzv):
+    spec = elastic(2, 1, last_call_ms=0)
+    a, _ = join(rdzv, params(spec, "n0"))
+    rdzv.open_session("job", a, 1, Sink("first"), spare_port=5555)
+    rdzv.close_session("job", a, object())  # someone else's sink: ignored
+    join(rdzv, params(spec, "n1"))  # grows while a's session is the first one
+    _, missed, _ = rdzv.open_session("job", a, 1, Sink("second"))
+    (world,) = missed
+    assert isinstance(world, NewWorld) and world.generation == 2 and world.plan.master_port == 5555
+
+
+# -- restart ---------------------------------------------------------------------------------
+
+
+def commit(store: MemoryStore, epoch: int, *actions: Actions) -> None:
+    for a in actions:
+        store.commit(a.writes, epoch)
+
+
+def test_restart_restores_worlds_and_forming_jobs(clock):
+    store = MemoryStore()
+    epoch = store.take_over()
+    first = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    spec = JobSpec.build(3)
+    formed = []
+    for i, n in enumerate("aab"):
+        m, actions = join(first, params(spec, n, job="formed", port=5000 + i))
+        formed.append(m)
+        commit(store, epoch, actions)
+    before = ranks(first, "formed")
+    forming, actions = join(first, params(JobSpec.build(2), "x", job="forming", port=6000, member_id="bb" * 8))
+    commit(store, epoch, actions)
+
+    clock.now += 8  # the server is down for a while: leases must not lapse for it
+    second = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    restored, actions = second.restore(store.load(), grace_s=TTL)
+    assert restored == 2 and not actions
+    view = second.describe("formed")
+    assert (view.state, view.generation, view.joined) == (JobState.FORMED, 1, 3)
+    assert ranks(second, "formed") == before  # same ranks, same generation
+    # the forming worker retries its Join with the same id (within the grace) ...
+    joined, _, placed = second.join(params(JobSpec.build(2), "x", job="forming", port=6001, member_id=forming))
+    assert joined.member_id == forming and placed is None
+    clock.now += 15
+    assert not second.expire_due()[0]  # members of worlds: TTL + grace after the restart; the re-attached one: its call
+    for m in formed:
+        assert second.renew("formed", m, 1)[0] == 1
+    # ... and a second worker completes its world
+    _, actions = join(second, params(JobSpec.build(2), "y", job="forming", port=6002))
+    (world,) = worlds(actions)
+    assert world.plan.master_port == 6001 and set(world.plan.ranks) == {forming, next(iter(set(world.plan.ranks) - {forming}))}
+
+
+def test_a_forming_member_that_never_comes_back_after_a_restart_expires(clock):
+    store = MemoryStore()
+    epoch = store.take_over()
+    first = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    commit(store, epoch, join(first, params(JobSpec.build(2), "x", job="f"))[1])
+    second = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    second.restore(store.load(), grace_s=TTL)
+    clock.now += 11
+    actions, _ = second.expire_due()
+    assert DeleteJob("f") in actions.writes and second.job_ids() == []
+
+
+def test_a_world_restored_while_re_forming_awaits_its_survivors(clock):
+    store = MemoryStore()
+    epoch = store.take_over()
+    first = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    spec = elastic(3, 2, last_call_ms=60_000)
+    ids = []
+    for n in "abc":
+        m, actions = join(first, params(spec, n))
+        ids.append(m)
+        commit(store, epoch, actions)
+    clock.now += TTL * 0.6  # all stale: a leave cannot re-form at once
+    commit(store, epoch, first.leave("job", ids[2]))
+    assert first.describe("job").state is JobState.FORMING
+    second = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    second.restore(store.load(), grace_s=TTL)
+    sink = Sink("a")
+    _, missed, actions = second.open_session("job", ids[0], 1, sink, spare_port=7777)  # rank 0 offers its spare again
+    assert [type(e) for e in missed] == [WorldChange] and not worlds(actions)
+    _, actions = second.renew("job", ids[1], 1)
+    (world,) = worlds(actions)
+    assert world.generation == 2 and set(world.plan.ranks) == set(ids[:2]) and pushed(actions, sink) == [world]
+    assert world.plan.master_port == 7777
