@@ -1,15 +1,19 @@
-"""What the benchmarks share: the server as its own pinned process, a pinned
-load generator, and /proc readings. Not a test helper: benchmarks only."""
+"""What the benchmarks share: servers as their own processes, load generators,
+and /proc readings. Not a test helper: benchmarks only."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
+import pathlib
 import subprocess
 import sys
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Sequence
 
+HERE = pathlib.Path(__file__).resolve().parent
 
 # Decided once, before this process pins itself: afterwards its own affinity
 # would say there is one CPU, and the server would inherit the client's core.
@@ -29,20 +33,66 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, 20, 20)
 
 
+@dataclasses.dataclass
+class Running:
+    proc: subprocess.Popen
+    port: int
+    metrics_url: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
 @contextlib.contextmanager
-def server(*args: str, cpu: int | None = 0) -> Iterator[tuple[subprocess.Popen, int]]:
-    """`python -m commctx.server` on a free port, pinned to `cpu`; yields (process, port)."""
-    argv = [sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", *args]
+def start(argv: Sequence[str], *, cpu: int | None = None, metrics: bool = False) -> Iterator[Running]:
+    """Runs a server process that prints 'listening on HOST:PORT' (and, with
+    metrics, '... metrics on URL'); stops it on exit. BENCH_SERVER_ENV
+    ('K=V,K=V') adds variables to the server's environment only (e.g.
+    PYTHONASYNCIODEBUG=1 to log its slow callbacks)."""
     pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None and CAN_PIN else None
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
+    extra = dict(kv.split("=", 1) for kv in os.environ.get("BENCH_SERVER_ENV", "").split(",") if kv)
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True, preexec_fn=pin, env={**os.environ, **extra})
     try:
         line = proc.stdout.readline()
         if "listening on" not in line:
             raise RuntimeError(f"server did not start: {line!r}")
-        yield proc, int(line.rsplit(":", 1)[1])
+        running = Running(proc, int(line.rsplit(":", 1)[1]))
+        if metrics:
+            running.metrics_url = proc.stdout.readline().rsplit(" ", 1)[1].strip()
+        yield running
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(30)
+
+
+def commctx_server(*args: str, cpu: int | None = None, metrics: bool = False) -> contextlib.AbstractContextManager[Running]:
+    """`python -m commctx.server` on a free port (unpinned unless `cpu`)."""
+    extra = ["--metrics-port", "0"] if metrics else []
+    return start([sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", *extra, *args], cpu=cpu, metrics=metrics)
+
+
+def relay_server(*args: str, cpu: int | None = None, metrics: bool = False) -> contextlib.AbstractContextManager[Running]:
+    """benchmarks/relay.py: the protocol without planning or store."""
+    extra = ["--metrics-port", "0"] if metrics else []
+    return start([sys.executable, str(HERE / "relay.py"), "--port", "0", *extra, *args], cpu=cpu, metrics=metrics)
+
+
+@contextlib.contextmanager
+def server(*args: str, cpu: int | None = 0) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`python -m commctx.server` on a free port, pinned to `cpu`; yields (process, port)."""
+    with commctx_server(*args, cpu=cpu) as running:
+        yield running.proc, running.port
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page as {series: value}."""
+    values = {}
+    for line in urllib.request.urlopen(url, timeout=30).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
 
 
 def memory_kib(pid: int) -> dict[str, int]:

@@ -1,28 +1,32 @@
-"""N simulated workers join one job: time from the first join to the last
-assignment delivered, and the server's memory per member.
+"""N workers join one job: time from the first join to the last assignment,
+the server's CPU for it, and its memory per member.
 
-The server runs as its own process (`python -m commctx.server`, as deployed);
-the workers are grpc.aio clients in this process, 8 per node key. By default
-the server is pinned to CPU 0 and this load generator to CPU 1, as a
-rendezvous server would run beside, not under, its clients; --no-pin shares
-both CPUs.
+As a real fleet: every worker on its own TCP connection (a channel with
+grpc.use_local_subchannel_pool, as separate processes would have), from
+--procs load processes; the server is its own process, unpinned, with its
+defaults (SQLite store). Connections are opened and ready before the clock
+starts (a worker connects when its process starts, not all in one instant);
+then every process sends all its Joins at once. --shared instead sends each
+process's Joins over one connection (how the first release measured it).
 
-For each N, three jobs of N workers join one after another on a fresh server
-(all members stay); the time is the median of the three. Memory, as RSS
-growth per member: "peak" while the first job's N calls are in flight (gRPC
-call buffers); "after" once the server has settled after that first job (what
-the allocator keeps: freed pages pinned by surviving objects); "warm" across
-the second job (what each further member costs once the pages are there).
+The same burst is measured against a trivial-handler server (benchmarks/
+relay.py --trivial: each Join answered at once, nothing planned or kept):
+the floor that gRPC alone costs over the same connections.
 
-    python benchmarks/join_scale.py [--no-pin] [--log-level info] [--store memory] [N ...]    (default N: 100 1000 10000)
+Memory, as RSS growth per member: "peak" while the calls are in flight,
+"settled" once the server has settled after the burst (connections still
+open), "held" after the clients have closed their connections and the
+server has idled 8 s (it collects and trims its heap once calm after a
+burst): what the members themselves keep.
+
+    python benchmarks/join_scale.py [--procs 4] [--shared] [--servers commctx,trivial] [N ...]   (default N: 10000)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import statistics
+import multiprocessing as mp
 import tempfile
 import time
 
@@ -31,88 +35,110 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from harness import memory_kib, pin_load_generator, server, tune_gc
+from harness import commctx_server, cpu_s, memory_kib, relay_server, tune_gc
 
 WORKERS_PER_NODE = 8
 
 
-async def run_job(stub: pb_grpc.RendezvousStub, job_id: str, n: int) -> float:
+def load(address: str, job: str, first: int, count: int, total: int, shared: bool, conn) -> None:
+    tune_gc()
+    asyncio.run(_load(address, job, first, count, total, shared, conn))
+
+
+async def _load(address: str, job: str, first: int, count: int, total: int, shared: bool, conn) -> None:
+    options = [] if shared else [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(1 if shared else count)]
+    await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), 120) for c in channels))
+    stubs = [pb_grpc.RendezvousStub(c) for c in channels]
     requests = [
-        pb.JoinRequest(
-            job_id=job_id, spec=pb.JobSpec(world_size=n), node_key=f"node{i // WORKERS_PER_NODE}",
-            address="127.0.0.1", master_port=20000 + i % 40000, wait_timeout_ms=120_000,
-        )
-        for i in range(n)
+        pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=total), node_key=f"node{(first + i) // WORKERS_PER_NODE}",
+                       address="127.0.0.1", master_port=20000 + (first + i) % 40000, wait_timeout_ms=300_000)
+        for i in range(count)
     ]
-    start = time.perf_counter()
-    responses = await asyncio.gather(*(stub.Join(r) for r in requests))
-    seconds = time.perf_counter() - start
-    if sorted(r.assignment.rank for r in responses) != list(range(n)):
-        raise RuntimeError("ranks are not a permutation")
-    return seconds
+    conn.send("connected")
+    await asyncio.to_thread(conn.recv)
+    started = time.monotonic()
+    responses = await asyncio.gather(*(stubs[i % len(stubs)].Join(r) for i, r in enumerate(requests)))
+    ended = time.monotonic()
+    conn.send((started, ended, sorted(r.assignment.rank for r in responses)))
+    await asyncio.to_thread(conn.recv)
+    for c in channels:
+        await c.close()
+    conn.send("closed")
 
 
-async def settled_rss(pid: int) -> int:
+def settled_rss(pid: int) -> int:
     """RSS once it stops moving: the server finishes each RPC shortly after the client has its answer."""
     last, still = memory_kib(pid)["VmRSS"], 0
-    for _ in range(100):
-        await asyncio.sleep(0.1)
+    for _ in range(200):
+        time.sleep(0.1)
         now = memory_kib(pid)["VmRSS"]
         still = still + 1 if abs(now - last) < 64 else 0
         last = now
-        if still >= 5:
+        if still >= 10:
             break
     return last
 
 
-async def measure(n: int, pin: bool, log_level: str, store_args: list[str]) -> dict[str, float]:
-    # A long lease: the clients here do not renew, and every member must stay.
-    with server("--log-level", log_level, "--lease-ttl-s", "600", *store_args, cpu=0 if pin else None) as (proc, port):
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.RendezvousStub(channel)
-            await run_job(stub, "warmup", 16)
-            r0 = await settled_rss(proc.pid)
-            times = [await run_job(stub, "a", n)]
-            peak = memory_kib(proc.pid)["VmHWM"]
-            r1 = await settled_rss(proc.pid)
-            times.append(await run_job(stub, "b", n))
-            r2 = await settled_rss(proc.pid)
-            times.append(await run_job(stub, "c", n))
-        return {
-            "n": n,
-            "seconds": statistics.median(times),
-            "worst": max(times),
-            "peak_kib": (peak - r0) / n,
-            "after_kib": (r1 - r0) / n,
-            "warm_kib": (r2 - r1) / n,
-            "rss_mib": r2 / 1024,
-        }
+def measure(kind: str, n: int, procs: int, shared: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as state:
+        make = (commctx_server("--log-level", "warning", "--lease-ttl-s", "600", "--state-dir", state) if kind == "commctx"
+                else relay_server("--trivial"))
+        with make as server:
+            pid = server.proc.pid
+            base = settled_rss(pid)
+            pipes, workers = [], []
+            share = n // procs
+            for p in range(procs):
+                parent, child = ctx.Pipe()
+                count = share if p < procs - 1 else n - share * (procs - 1)
+                w = ctx.Process(target=load, args=(server.address, "burst", p * share, count, n, shared, child), daemon=True)
+                w.start()
+                pipes.append(parent)
+                workers.append(w)
+            for c in pipes:
+                assert c.poll(300) and c.recv() == "connected"
+            connected = settled_rss(pid)
+            c0 = cpu_s(pid)
+            for c in pipes:
+                c.send("go")
+            results = [c.recv() for c in pipes]
+            c1 = cpu_s(pid)
+            peak = memory_kib(pid)["VmHWM"]
+            settled = settled_rss(pid)
+            for c in pipes:
+                c.send("close")
+            for c in pipes:
+                assert c.recv() == "closed"
+            time.sleep(8)
+            held = settled_rss(pid)
+            for w in workers:
+                w.join(60)
+    ranks = sorted(r for _, _, rs in results for r in rs)
+    if kind == "commctx" and ranks != list(range(n)):
+        raise RuntimeError("ranks are not a permutation")
+    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    return {"kind": kind, "seconds": end - start, "cpu": c1 - c0, "peak": (peak - connected) / n,
+            "settled": (settled - connected) / n, "held": (held - base) / n, "conn": (connected - base) / n}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("sizes", nargs="*", type=int, default=[100, 1000, 10000])
-    p.add_argument("--no-pin", action="store_true")
-    p.add_argument("--log-level", default="warning", help="the server's; at info it logs a line per join (to this stderr)")
-    p.add_argument("--store", choices=["sqlite", "memory"], default="sqlite", help="the server's store (default: sqlite, as deployed)")
+    p.add_argument("sizes", nargs="*", type=int, default=[10_000])
+    p.add_argument("--procs", type=int, default=4)
+    p.add_argument("--shared", action="store_true", help="one connection per load process instead of one per worker")
+    p.add_argument("--servers", default="commctx,trivial")
     args = p.parse_args()
-    pin = not args.no_pin and pin_load_generator()
-    tune_gc()
-    print(f"# {os.cpu_count()} CPUs; server pinned to CPU 0, clients to CPU 1: {pin}; {WORKERS_PER_NODE} workers per node; store: {args.store}")
-    print(f"{'workers':>8} {'first join -> last assignment':>30} {'worst of 3':>11}  RSS growth per member: {'peak':>9} {'after':>9} {'warm':>9}  {'server RSS':>10}")
-    with tempfile.TemporaryDirectory() as state_dir:
-        for n in args.sizes:
-            store_args = ["--store", args.store, "--state-dir", os.path.join(state_dir, str(n))]
-            run(n, pin, args.log_level, store_args)
-
-
-def run(n: int, pin: bool, log_level: str, store_args: list[str]) -> None:
-    r = asyncio.run(measure(n, pin, log_level, store_args))
-    print(
-        f"{r['n']:>8} {r['seconds']:>28.3f} s {r['worst']:>9.3f} s {'':>23}{r['peak_kib']:>5.1f} KiB {r['after_kib']:>5.1f} KiB"
-        f" {r['warm_kib']:>5.1f} KiB {r['rss_mib']:>6.1f} MiB",
-        flush=True,
-    )
+    how = "one connection per load process" if args.shared else "one connection per worker"
+    print(f"# {args.procs} load processes, {how}; servers unpinned; commctx with its SQLite store")
+    print(f"{'server':<8} {'workers':>8} {'first join -> last assignment':>30} {'server CPU':>11} {'per join':>9}   "
+          f"RSS per member: {'connection':>10} {'peak':>9} {'settled':>9} {'held':>9}")
+    for n in args.sizes:
+        for kind in args.servers.split(","):
+            r = measure(kind, n, args.procs, args.shared)
+            print(f"{kind:<8} {n:>8} {r['seconds']:>28.3f} s {r['cpu']:>9.2f} s {r['cpu'] / n * 1000:>6.3f} ms   {'':>15}"
+                  f"{r['conn']:>6.1f} KiB {r['peak']:>5.1f} KiB {r['settled']:>5.1f} KiB {r['held']:>5.1f} KiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ async def serve(config: Config) -> int:
     store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
         config.host, config.port, lease_ttl_s=config.lease_ttl_s,
-        health_port=config.health_port, metrics_port=config.metrics_port, store=store,
+        health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True,
     )
     print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
     if server.health_port is not None:
@@ -63,10 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = from_env(argv)
     configure_logging(config.log_level, config.log_format)
     prometheus_client.disable_created_metrics()  # no *_created series beside each counter
-    # A job's joins arrive as one burst of short-lived objects; Python's default
-    # gen-0 threshold (700) would run the collector thousands of times a burst.
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
+    gc.freeze()  # what start-up made lives as long as the process: never scan it
     try:
         return asyncio.run(serve(config))
     except StoreError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import logging
 import time
@@ -125,7 +126,23 @@ class Telemetry:
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=registry,
         )
         self.loop_lag = LoopLag(lag)
+        self.gc_pauses = Histogram(
+            "commctx_gc_pause_seconds", "Garbage-collector passes, by generation", ["generation"],
+            buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1), registry=registry,
+        )
+        self._gc_started = 0.0
+        gc.callbacks.append(self._gc)
         registry.register(_StateCollector(stats, self.loop_lag))
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_pauses.labels(str(info["generation"])).observe(time.perf_counter() - self._gc_started)
+
+    def close(self) -> None:
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
 
     def record(self, note: Note) -> None:
         kind, fields = note

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from commctx.server.errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration
-from commctx.server.planning import JobSpec
+from commctx.server.planning import JobSpec, PlanError, plan_world
 from commctx.server.rendezvous.machine import Actions, Rendezvous
 from commctx.server.rendezvous.model import (
     Gone,
@@ -203,6 +203,39 @@ def test_withdraw_before_forming_removes_after_forming_does_not(rdzv):
     members = [join(rdzv, params(spec))[0] for _ in range(3)]
     assert not rdzv.withdraw("job", members[0])
     assert rdzv.describe("job").joined == 3
+
+
+def test_a_big_world_is_planned_off_the_loop(clock):
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, plan_inline_max=2)
+    spec = JobSpec.build(3)
+    ids = [join(rdzv, params(spec, "n"))[0] for _ in range(2)]
+    last, actions = join(rdzv, params(spec, "n"))
+    (request,) = actions.plans  # too big to plan inside the transition
+    assert not actions.wakes and rdzv.describe("job").state is JobState.FORMING
+    assert [c.member_id for c in request.candidates] == [*ids, last] and request.spec.world_size == 3
+    actions = rdzv.planned(request, plan_world(request.candidates, request.spec))
+    (world,) = worlds(actions)
+    assert world.generation == 1 and rdzv.describe("job").state is JobState.FORMED
+
+
+def test_a_plan_for_a_job_that_changed_meanwhile_is_dropped(clock):
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, plan_inline_max=2)
+    spec = elastic(4, 3, last_call_ms=0)
+    for _ in range(3):
+        _, actions = join(rdzv, params(spec, "n"))
+    (first,) = actions.plans
+    _, actions = join(rdzv, params(spec, "n"))  # a fourth arrives while the first plan is computed
+    (second,) = actions.plans
+    assert second.spec.world_size == 4 and second.version > first.version
+    assert not rdzv.planned(first, plan_world(first.candidates, first.spec))  # superseded: dropped
+    (world,) = worlds(rdzv.planned(second, plan_world(second.candidates, second.spec)))
+    assert world.plan.world_size == 4
+    # a plan that cannot be made fails the job like one made inline
+    rdzv2 = Rendezvous(lease_ttl_s=TTL, clock=clock, plan_inline_max=0)
+    _, actions = join(rdzv2, params(JobSpec.build(1), "n", local_rank=0))
+    (request,) = actions.plans
+    actions = rdzv2.planned(request, PlanError("no seat"))
+    assert [o for _, o in actions.wakes] == [JobStopped("job 'job' cannot form: no seat")]
 
 
 # -- leases ----------------------------------------------------------------------------------

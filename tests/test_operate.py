@@ -3,6 +3,7 @@ status, metrics, logs, configuration, reflection, compose and the Dockerfile."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -240,6 +241,57 @@ def test_plain_logs_are_key_value_lines():
         server.stop()
     assert re.search(rf"INFO join job=plain member={r.member_id} node=n1 role=\"\" joined=1 world_size=1", log)
     assert re.search(r"INFO formed job=plain generation=1 world_size=1 nodes=1 seconds=", log)
+
+
+def test_metrics_read_a_snapshot_while_the_state_changes():
+    """Scrapes during a join storm: the gauges come from a snapshot the event
+    loop takes, so no scrape sees a structure mid-change (an HTTP 500)."""
+    server = Server("127.0.0.1", metrics=True)
+    try:
+        async def storm():
+            async with grpc.aio.insecure_channel(server.address) as ch:
+                stub = pb_grpc.RendezvousStub(ch)
+                for wave in range(4):
+                    await asyncio.gather(*(stub.Join(join_request(f"s{wave}-{i // 10}", 10, f"n{i % 3}")) for i in range(500)))
+
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (asyncio.run(storm()), done.set()), daemon=True)
+        thread.start()
+        scrapes = []
+        while not done.is_set():
+            scrapes.append(scrape(server.metrics_url))  # raises on anything but 200
+        thread.join(60)
+        assert len(scrapes) >= 3 and done.is_set()
+        final = scrape(server.metrics_url)
+        assert (final["commctx_active_jobs"], final["commctx_active_members"], final["commctx_waiting_members"]) == (200, 2000, 0)
+        assert final["commctx_worlds_formed_total"] == 200
+        assert 0 <= final["commctx_event_loop_lag_max_seconds"] < 10
+        assert final["commctx_event_loop_lag_seconds_count"] > 0
+    finally:
+        server.stop()
+
+
+def test_a_server_whose_store_another_takes_over_stops(tmp_path):
+    first = Server("127.0.0.1", "--state-dir", str(tmp_path))
+    second = None
+    try:
+        with grpc.insecure_channel(first.address) as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            assert stub.Join(join_request("solo", 1), timeout=10).assignment.generation == 1
+            second = Server("127.0.0.1", "--state-dir", str(tmp_path))  # takes the store over (a new epoch)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Join(join_request("late", 1), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no longer owns its store" in refused.value.details()
+        assert first.popen.wait(15) == 1
+        assert "another server took over the state store" in first.log()
+        with grpc.insecure_channel(second.address) as ch:
+            d = pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="solo"), timeout=5)
+            assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 1)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
 
 
 # -- configuration --------------------------------------------------------------------------

@@ -9,30 +9,39 @@ moved, so each lease costs about one pop per TTL however often it is renewed.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Hashable
 
 
 class Deadlines:
-    """A min-heap of (deadline, key)."""
+    """A min-heap of (deadline, key); equal deadlines pop in push order."""
 
-    __slots__ = ("_heap",)
+    __slots__ = ("_heap", "_seq")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, Hashable]] = []
+        # (deadline, sequence, key): the sequence breaks ties, so keys are never compared
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._seq = itertools.count()
 
     def push(self, deadline: float, key: Hashable) -> None:
-        heapq.heappush(self._heap, (deadline, key))
+        heapq.heappush(self._heap, (deadline, next(self._seq), key))
 
     def next(self) -> float:
         """The earliest deadline held (math.inf when empty); it may be stale."""
         return self._heap[0][0] if self._heap else math.inf
 
     def pop_due(self, now: float) -> tuple[float, Hashable] | None:
-        """The earliest entry if it is due (deadline <= now), removed; else None."""
+        """The earliest (deadline, key) if it is due (deadline <= now), removed; else None."""
         if self._heap and self._heap[0][0] <= now:
-            return heapq.heappop(self._heap)
+            deadline, _, key = heapq.heappop(self._heap)
+            return deadline, key
         return None
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def keep(self, live) -> None:
+        """Drops every entry whose key `live(key)` rejects (an O(n) rebuild, for owners whose stale entries pile up)."""
+        self._heap = [entry for entry in self._heap if live(entry[2])]
+        heapq.heapify(self._heap)

@@ -26,12 +26,13 @@ from collections.abc import Callable
 from ..errors import Conflict, NotFound, Unavailable
 from .deadlines import Deadlines
 from .machine import Actions, Rendezvous
-from .model import JobStopped, MemberGone, NewWorld, Note, WaitOutcome
+from ..planning import PlanError, WorldPlan, plan_world
+from .model import JobStopped, MemberGone, NewWorld, Note, PlanRequest, WaitOutcome
 from .store import Fenced, Store, StoreError
 
 log = logging.getLogger("commctx.server")
 
-SLICE = 1000  # pushes or wakes between two yields of the event loop
+SLICE = 300  # pushes or wakes between two yields of the event loop: each wakes a coroutine that runs in the next turn
 TICK_S = 0.05  # deadlines are served on ticks of this length
 
 
@@ -43,6 +44,7 @@ class Waiters:
         self._deadlines = Deadlines()  # (job id, member id, id of the future)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._live = 0  # waiting futures
 
     def add(self, job_id: str, member_id: str, timeout_s: float | None) -> asyncio.Future[NewWorld]:
         """A future that resolves to the member's world, or raises NotFound,
@@ -50,6 +52,7 @@ class Waiters:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[NewWorld] = loop.create_future()
         self._by_job.setdefault(job_id, {})[member_id] = future
+        self._live += 1
         if timeout_s is not None:
             at = loop.time() + timeout_s
             self._deadlines.push(at, (job_id, member_id, id(future)))
@@ -61,11 +64,22 @@ class Waiters:
         waiting = self._by_job.get(job_id)
         if waiting is not None and waiting.get(member_id) is future:
             del waiting[member_id]
+            self._live -= 1
             if not waiting:
                 del self._by_job[job_id]
+        if len(self._deadlines) > 2 * self._live + 1024:  # answered waits' deadlines: drop them, not hold them for the timeout
+            self._deadlines.keep(self._waiting)
 
-    def count(self) -> int:
-        return sum(len(w) for w in self._by_job.values())
+    def _waiting(self, key: tuple[str, str, int]) -> bool:
+        future = self._by_job.get(key[0], {}).get(key[1])
+        return future is not None and id(future) == key[2]
+
+    def fail_all(self, exc: Exception) -> None:
+        """Ends every wait with `exc` (the server can no longer answer them)."""
+        for waiting in self._by_job.values():
+            for future in waiting.values():
+                if not future.done():
+                    future.set_exception(exc)
 
     async def wake(self, job_id: str, outcome: WaitOutcome) -> None:
         waiting = self._by_job.get(job_id)
@@ -139,6 +153,7 @@ class Executor:
         self._timer_at = math.inf
         self._failing = False
         self._busy = False  # a batch is being carried out
+        self._planning: set[asyncio.Task] = set()
         self.fenced: Fenced | None = None
 
     def start(self) -> None:
@@ -154,6 +169,9 @@ class Executor:
             return
         if self._queue and self.fenced is None and not self._failing:
             await self.settled()
+        for task in self._planning:
+            task.cancel()
+        await asyncio.gather(*self._planning, return_exceptions=True)
         self._task.cancel()
         try:
             await self._task
@@ -206,9 +224,23 @@ class Executor:
                             await asyncio.sleep(0)
                     for job_id, outcome in actions.wakes:
                         await self._waiters.wake(job_id, outcome)
+                    for request in actions.plans:
+                        task = asyncio.create_task(self._plan(request), name=f"commctx-plan-{request.job_id}")
+                        self._planning.add(task)
+                        task.add_done_callback(self._planning.discard)
                     if done is not None and not done.done():
                         done.set_result(None)
                 self._busy = False
+
+    async def _plan(self, request: PlanRequest) -> None:
+        """Plans a big world in a worker thread (the event loop keeps running:
+        the thread gives up the GIL every few milliseconds) and hands the result
+        to the state machine."""
+        try:
+            plan: WorldPlan | PlanError = await asyncio.to_thread(plan_world, request.candidates, request.spec)
+        except PlanError as exc:
+            plan = exc
+        self.submit(self._machine.planned(request, plan))
 
     async def _commit(self, writes: list) -> bool:
         try:
@@ -219,16 +251,18 @@ class Executor:
         except Fenced as exc:
             self.fenced = exc
             log.error("store_fenced", extra={"fields": {"reason": str(exc)}})
+            gone = Unavailable(f"this server no longer owns its store ({exc}); retry: another server serves it")
             for _, done in self._queue:
                 if done is not None and not done.done():
-                    done.set_exception(Unavailable(f"this server no longer owns its store: {exc}"))
+                    done.set_exception(gone)
+            self._waiters.fail_all(gone)
             self._on_fenced(exc)
             return False
         except StoreError as exc:
-            if not self._failing:
+            if not self._failing:  # once per outage: the log and the health status
+                self._failing = True
                 log.error("store_failed", extra={"fields": {"reason": str(exc)}})
-            self._failing = True
-            self._on_store_error(exc)
+                self._on_store_error(exc)
             return False
         if self._failing:
             self._failing = False

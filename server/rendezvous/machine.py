@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration
-from ..planning import PlanError, build_plan, elide, node_sort_key, plan_world
+from ..planning import PlanError, WorldPlan, build_plan, elide, node_sort_key, plan_world
 from .deadlines import Deadlines
 from .model import (
     Gone,
@@ -63,6 +63,7 @@ from .model import (
     Node,
     NodeView,
     Note,
+    PlanRequest,
     SessionEvent,
     Stats,
     WaitOutcome,
@@ -74,21 +75,23 @@ from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutJob, Put
 class Actions:
     """What a transition implies, for the executor to carry out in this order:
     persist `writes`, hand `notes` to telemetry, put `pushes` in session sinks,
-    wake Join waiters with `wakes`."""
+    wake Join waiters with `wakes`, and plan `plans` off the event loop."""
 
-    __slots__ = ("writes", "notes", "pushes", "wakes")
+    __slots__ = ("writes", "notes", "pushes", "wakes", "plans")
 
     def __init__(self) -> None:
         self.writes: list[Write] = []
         self.notes: list[Note] = []
         self.pushes: list[tuple[object, SessionEvent]] = []  # (session sink, event)
         self.wakes: list[tuple[str, WaitOutcome]] = []  # (job id, outcome)
+        self.plans: list[PlanRequest] = []
 
     def __bool__(self) -> bool:
-        return bool(self.writes or self.notes or self.pushes or self.wakes)
+        return bool(self.writes or self.notes or self.pushes or self.wakes or self.plans)
 
     def __repr__(self) -> str:
-        return f"Actions(writes={self.writes!r}, notes={self.notes!r}, pushes={self.pushes!r}, wakes={self.wakes!r})"
+        return (f"Actions(writes={self.writes!r}, notes={self.notes!r}, pushes={self.pushes!r}, wakes={self.wakes!r}, "
+                f"plans={self.plans!r})")
 
 
 class Rendezvous:
@@ -99,6 +102,9 @@ class Rendezvous:
     """
 
     FAILED_JOB_TTL_S = 300.0
+    # Worlds of more workers are planned off the event loop (a 10,000-worker
+    # plan is tens of milliseconds of Python); smaller ones inside the transition.
+    PLAN_INLINE_MAX = 2048
 
     def __init__(
         self,
@@ -106,8 +112,10 @@ class Rendezvous:
         lease_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         new_member_id: Callable[[], str] | None = None,
+        plan_inline_max: int = PLAN_INLINE_MAX,
     ) -> None:
         self.lease_ttl_s = lease_ttl_s
+        self.plan_inline_max = plan_inline_max
         self._clock = clock
         self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
         self._jobs: dict[str, Job] = {}
@@ -189,6 +197,7 @@ class Rendezvous:
             node.local_ranks[p.local_rank] = member_id
         node.workers += 1
         job.role_counts[p.role] = job.role_counts.get(p.role, 0) + 1
+        job.version += 1
         member = job.members[member_id] = Member(node, p, seq)
         return member
 
@@ -207,6 +216,7 @@ class Rendezvous:
         member.lease_deadline = math.inf  # bound to this call again
         if member.port != p.port:
             member.port = p.port
+            job.version += 1
             actions.writes.append(PutMember(job.job_id, _member_record(p.member_id, member)))
         self._maybe_form(job, actions)
         return joined, actions, None
@@ -313,16 +323,50 @@ class Rendezvous:
 
     def _form(self, job: Job, n: int, actions: Actions) -> None:
         previous = job.plan
+        members = job.members
         if previous is None:
-            chosen = list(job.members.items())[:n]  # join order
+            candidates = [m.candidate(mid) for mid, m in list(members.items())[:n]]  # join order
         else:
-            ranks = previous.ranks
-            chosen = sorted(job.members.items(), key=lambda item: (0, ranks[item[0]]) if item[0] in ranks else (1, item[1].seq))[:n]
-        candidates = [m.candidate(mid, previous.placement(mid) if previous is not None else None) for mid, m in chosen]
+            # Survivors first, in their previous rank order (the seating's
+            # order), then newcomers in join order.
+            seats: dict[str, tuple[int, int]] = {}
+            for node_rank, node in enumerate(previous.seating.nodes):
+                for local_rank, mid in enumerate(node.members):
+                    if mid in members:
+                        seats[mid] = (node_rank, local_rank)
+            order = [*seats, *(mid for mid in members if mid not in seats)][:n]
+            candidates = [members[mid].candidate(mid, seats.get(mid)) for mid in order]
+        spec = job.spec.at_size(n)
+        if n > self.plan_inline_max:
+            if job.planning != job.version:  # else the plan for exactly these candidates is on its way
+                job.planning = job.version
+                actions.plans.append(PlanRequest(job.job_id, job.version, tuple(candidates), spec))
+            return
         try:
-            plan = plan_world(candidates, job.spec.at_size(n))
+            plan: WorldPlan | PlanError = plan_world(candidates, spec)
         except PlanError as exc:
-            self._stop(job, JobState.FAILED, str(exc), "cannot form", actions)
+            plan = exc
+        self._seat(job, plan, actions)
+
+    def planned(self, request: PlanRequest, plan: WorldPlan | PlanError) -> Actions:
+        """The plan of `request`, computed off the event loop, is ready. It is
+        applied unless the job changed since it was requested; then the job is
+        planned again from what it holds now."""
+        actions = Actions()
+        job = self._jobs.get(request.job_id)
+        if job is None or job.planning != request.version:
+            return actions  # gone, or superseded by a later request
+        job.planning = -1
+        if job.version != request.version or self._formable(job) != request.spec.world_size:
+            self._maybe_form(job, actions)
+        else:
+            self._seat(job, plan, actions)
+        return actions
+
+    def _seat(self, job: Job, plan: WorldPlan | PlanError, actions: Actions) -> None:
+        """FORMING -> FORMED with `plan` (or FAILED with the reason it could not be planned)."""
+        if isinstance(plan, PlanError):
+            self._stop(job, JobState.FAILED, str(plan), "cannot form", actions)
             return
         if plan.master_port == 0:
             # Rank 0's spare port serves an earlier world's store and it has
@@ -331,31 +375,34 @@ class Rendezvous:
             self._announce(job, actions)
             return
         now = self._clock()
+        previous = job.plan
         reason = job.reason if previous is not None else ""
         job.state = JobState.FORMED
         job.generation += 1
         job.previous_plan, job.plan = previous, plan
         job.reason, job.suspects, job.announced = reason, set(), False
-        job.placed = n
-        for mid, m in chosen:
+        job.placed = plan.world_size
+        members = job.members
+        for mid in plan.ranks:
+            m = members[mid]
             if m.lease_deadline == math.inf:  # newly placed: its lease starts now
                 m.lease_deadline = now + self.lease_ttl_s
                 self._leases.push(m.lease_deadline, (job.job_id, mid))
         rank0 = plan.seating.nodes[0].members[0]
-        job.members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
-        actions.writes.append(PutMember(job.job_id, _member_record(rank0, job.members[rank0])))
+        members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
+        actions.writes.append(PutMember(job.job_id, _member_record(rank0, members[rank0])))
         actions.writes.append(PutJob(self._record(job)))
         world = NewWorld(job.job_id, job.generation, plan, previous, reason)
         if previous is not None:
             change = WorldChange(job.generation - 1, reason)
-            for mid, m in job.members.items():
+            for mid, m in members.items():
                 if m.session is not None:
                     if mid in plan.ranks:
                         actions.pushes.append((m.session, world))
                     elif mid in previous.ranks:  # a survivor this world has no seat for: it waits for the next
                         actions.pushes.append((m.session, change))
         actions.wakes.append((job.job_id, world))
-        actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": n,
+        actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,
                                              "nodes": plan.num_nodes, "seconds": round(now - job.forming_since, 3)}))
         job.forming_since = now
 
@@ -423,6 +470,7 @@ class Rendezvous:
             member.lease_deadline = self._clock() + self.lease_ttl_s
         if spare_port and generation == job.generation and spare_port != member.port:
             member.port = spare_port
+            job.version += 1
             actions.writes.append(PutMember(job_id, _member_record(member_id, member)))
         if job.suspects and member_id in job.suspects and member.port:
             job.suspects.discard(member_id)
@@ -469,8 +517,10 @@ class Rendezvous:
         """Removes members whose lease ran out, forms elastic worlds whose last
         call has passed, and forgets failed jobs kept long enough.
 
-        At most `limit` members are removed per call, so that an expiry storm
-        yields the event loop between calls.
+        At most `limit` members are removed, and `2 * limit` lease entries
+        looked at, per call, so that an expiry storm (or ten thousand leases
+        of one world coming up for their lazy check at once) yields the event
+        loop between calls.
 
         Returns:
             The actions, and whether more is due already.
@@ -478,7 +528,7 @@ class Rendezvous:
         now = self._clock()
         actions = Actions()
         removed = popped = 0
-        while removed < limit and popped < 20 * limit:
+        while removed < limit and popped < 2 * limit:
             entry = self._leases.pop_due(now)
             if entry is None:
                 break
@@ -511,6 +561,7 @@ class Rendezvous:
 
     def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
         member = job.members.pop(member_id)
+        job.version += 1
         in_world = job.in_world(member_id)
         job.placed -= in_world
         job.suspects.discard(member_id)

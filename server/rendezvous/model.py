@@ -165,6 +165,16 @@ class MemberGone(NamedTuple):
 WaitOutcome = NewWorld | JobStopped | MemberGone
 
 
+class PlanRequest(NamedTuple):
+    """A world too big to plan inside a transition: the executor plans it off
+    the event loop and hands the result to `Rendezvous.planned`."""
+
+    job_id: str
+    version: int  # the job's version the candidates were taken at
+    candidates: tuple[Candidate, ...]
+    spec: JobSpec  # at the world's size
+
+
 class Note(NamedTuple):
     """Something operators hear of (a log line, a metric): `event` and its fields."""
 
@@ -188,10 +198,11 @@ class Member:
         self.lease_deadline = math.inf  # bound to its Join call until placed
         self.session: Any = None  # the open session's sink (the executor puts events in it)
 
-    def candidate(self, member_id: str, previous: Placement | None) -> Candidate:
+    def candidate(self, member_id: str, seat: tuple[int, int] | None = None) -> Candidate:
+        """This member as the planner sees it; `seat` is its (node rank, local rank) in the world being replaced."""
         return Candidate(
             member_id, self.node_key, self.address, self.port, self.local_rank, self.node_rank, self.role,
-            previous.node_rank if previous else None, previous.local_rank if previous else None,
+            *(seat or (None, None)),
         )
 
 
@@ -210,7 +221,7 @@ class Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
-        "last_call_armed",
+        "last_call_armed", "version", "planning",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -232,6 +243,8 @@ class Job:
         self.suspects: set[str] = set()  # re-forming: survivors not heard from lately, awaited before forming
         self.announced = False  # re-forming: survivors were told the world cannot form at once
         self.last_call_armed = False
+        self.version = 0  # bumped whenever who is in the job, or a member's port, changes
+        self.planning = -1  # the version a plan is being computed for off the loop, or -1
 
     def in_world(self, member_id: str) -> bool:
         """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""

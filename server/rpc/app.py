@@ -23,6 +23,7 @@ from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Stats
 from ..rendezvous.store import Fenced, NullStore, Store
+from ..gc_pacer import GcPacer
 from ..telemetry import Telemetry, event
 from .servicer import RendezvousServicer
 
@@ -75,6 +76,7 @@ class RendezvousServer:
             httpd.server_close()
             thread.join(5)
         await asyncio.to_thread(self._store.close)
+        self.telemetry.close()
 
     async def _set_health(self, status: int) -> None:
         if not self._stopped:
@@ -120,6 +122,7 @@ async def start_server(
     metrics_port: int | None = None,
     store: Store | None = None,
     clock: Callable[[], float] = time.monotonic,
+    pace_gc: bool = False,
 ) -> RendezvousServer:
     """Starts a rendezvous server on host:port (port 0: any free port).
 
@@ -131,6 +134,8 @@ async def start_server(
             port; None: not at all).
         metrics_port: serve Prometheus metrics over HTTP on this port (0: any
             free port; None: not at all).
+        pace_gc: collect garbage on a timer instead of on allocation counts
+            (gc_pacer.py); changes the whole process, so for a dedicated server.
 
     Raises:
         RuntimeError: an address could not be bound.
@@ -183,4 +188,6 @@ async def start_server(
         out._metrics = (httpd, thread)
         out.metrics_port = httpd.server_port
     out._tasks.append(asyncio.create_task(out.telemetry.loop_lag.run(), name="commctx-loop-lag"))
+    if pace_gc:
+        out._tasks.append(asyncio.create_task(GcPacer(out.telemetry.loop_lag).run(), name="commctx-gc-pacer"))
     return out

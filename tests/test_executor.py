@@ -1,0 +1,145 @@
+"""The executor carries out the machine's actions: persist, then announce, then
+wake, in submission order; a fenced or failing store holds announcements back.
+Real event loop, the real state machine, stores that can be made slow or fail."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from commctx.server.errors import NotFound, Unavailable
+from commctx.server.planning import JobSpec
+from commctx.server.rendezvous.executor import Executor, Waiters
+from commctx.server.rendezvous.machine import Rendezvous
+from commctx.server.rendezvous.model import JoinParams, MemberGone, NewWorld
+from commctx.server.rendezvous.store import Fenced, MemoryStore, StoreError
+
+from .conftest import eventually
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose commits run in a worker thread and wait for `gate`."""
+
+    blocking = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failures = 0  # how many commits to refuse with StoreError
+        self.commits = 0
+
+    def commit(self, writes, epoch):
+        assert self.gate.wait(10)
+        if self.failures:
+            self.failures -= 1
+            raise StoreError("disk full (simulated)")
+        super().commit(writes, epoch)
+        self.commits += 1
+
+
+def params(job: str, world: int, node: str = "n") -> JoinParams:
+    return JoinParams.build(job_id=job, spec=JobSpec.build(world), node_key=node, address="10.0.0.1", port=30000)
+
+
+class Rig:
+    def __init__(self, store: MemoryStore, lease_ttl_s: float = 10.0) -> None:
+        self.store = store
+        self.machine = Rendezvous(lease_ttl_s=lease_ttl_s)
+        self.waiters = Waiters()
+        self.notes = []
+        self.store_errors = []
+        self.fenced = []
+        self.executor = Executor(self.machine, store, store.take_over(), self.waiters, self.notes.append,
+                                 on_store_error=self.store_errors.append, on_fenced=self.fenced.append, retry_s=0.01)
+        self.executor.start()
+
+    def join(self, job: str, world: int, node: str = "n") -> tuple[str, asyncio.Future]:
+        joined, actions, _ = self.machine.join(params(job, world, node))
+        waiter = self.waiters.add(job, joined.member_id, 30)
+        self.executor.submit(actions)
+        return joined.member_id, waiter
+
+
+@pytest.fixture
+async def rig():
+    r = Rig(GatedStore())
+    yield r
+    r.store.gate.set()
+    await r.executor.stop()
+
+
+async def test_a_formed_world_is_durable_before_anyone_hears_of_it(rig):
+    a, wa = rig.join("j", 2)
+    await rig.executor.settled()
+    rig.store.gate.clear()  # the disk is slow
+    b, wb = rig.join("j", 2)
+    await asyncio.sleep(0.1)
+    assert not wa.done() and not wb.done()  # formed in memory, not yet durable: nobody told
+    assert [j.state for j in rig.store.load()] == ["forming"]
+    rig.store.gate.set()
+    world = await asyncio.wait_for(wa, 5)
+    assert isinstance(world, NewWorld) and (await wb) is world
+    assert [(j.state, j.generation) for j in rig.store.load()] == [("formed", 1)]
+    assert [n.event for n in rig.notes] == ["join", "join", "formed"]
+
+
+async def test_actions_are_carried_out_in_submission_order_and_commits_are_grouped(rig):
+    rig.store.gate.clear()
+    members = [rig.join("big", 50, f"n{i % 5}") for i in range(50)]
+    rig.store.gate.set()
+    worlds = await asyncio.gather(*(w for _, w in members))
+    assert {w.generation for w in worlds} == {1}
+    assert rig.store.commits < 10  # fifty joins' writes went in a handful of transactions
+    assert [n.event for n in rig.notes] == ["join"] * 50 + ["formed"]
+
+
+async def test_a_failing_store_holds_announcements_until_a_write_succeeds(rig):
+    rig.store.failures = 3
+    _, wa = rig.join("j", 1)
+    await eventually(lambda: rig.store.failures == 0)
+    world = await asyncio.wait_for(wa, 5)
+    assert world.generation == 1
+    assert [type(e) for e in rig.store_errors] == [StoreError, type(None)]  # failing once, then recovered
+    assert [j.job_id for j in rig.store.load()] == ["j"]
+
+
+async def test_a_fenced_executor_stops_and_ends_every_wait():
+    store = MemoryStore()
+    rig = Rig(store)
+    a, wa = rig.join("j", 2)
+    await rig.executor.settled()
+    store.take_over()  # another server takes the store over
+    with pytest.raises(Unavailable, match="no longer owns its store"):
+        await rig.executor.carry_out(rig.machine.leave("j", a))
+    assert len(rig.fenced) == 1 and isinstance(rig.fenced[0], Fenced)
+    with pytest.raises(Unavailable):
+        await wa
+    await rig.executor.stop()
+
+
+async def test_deadlines_fire_without_anyone_asking():
+    rig = Rig(MemoryStore(), lease_ttl_s=0.2)
+    (a, wa) = rig.join("j", 1)
+    await wa
+    await eventually(lambda: any(n.event == "removed" for n in rig.notes), timeout_s=5, what="the lease expired")
+    assert [n.fields["why"] for n in rig.notes if n.event == "removed"] == ["expired"]
+    assert rig.store.load() == []
+    await rig.executor.stop()
+
+
+async def test_waiters_share_one_timer_and_time_out():
+    loop = asyncio.get_running_loop()
+    waiters = Waiters()
+    before = len(loop._scheduled)  # noqa: SLF001 - the timer count is the point
+    futures = [waiters.add("j", f"m{i}", 30.0 + i / 100) for i in range(100)]
+    assert len(loop._scheduled) - before == 1  # noqa: SLF001
+    short = waiters.add("j", "short", 0.05)
+    with pytest.raises(TimeoutError):
+        await short
+    assert not any(f.done() for f in futures)
+    await waiters.wake("j", MemberGone("m3"))
+    with pytest.raises(NotFound, match="member m3 left job 'j' while waiting"):
+        await futures[3]
