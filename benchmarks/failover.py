@@ -3,8 +3,8 @@ long until every survivor holds its assignment for the new generation?
 
 The server runs as deployed (`python -m commctx.server`, default lease TTL
 10 s, SQLite store) pinned to CPU 0; the members are grpc.aio clients in this
-process on CPU 1. Each member renews every TTL/3 and answers a world change
-at once with a ready port, as CommContext does. The job is elastic
+process on CPU 1. Each member renews every TTL/3 and offers a spare port,
+as CommContext does. The job is elastic
 (min N-1, max N). The clock starts at the dead member's last renewal, since
 that is when its lease begins to run out; the target is TTL + 0.5 s.
 
@@ -30,7 +30,7 @@ class Member:
     def __init__(self, stub, job: str, member_id: str, ttl: float) -> None:
         self.stub, self.job, self.member_id, self.ttl = stub, job, member_id, ttl
         self.generation = 1
-        self.ready_port = 0
+        self.spare_port = 40000
         self.changed_at = self.assigned_at = None
         self.last_renewal = 0.0
         self.alive = True
@@ -54,18 +54,16 @@ class Member:
         reader.cancel()
 
     def _request(self) -> pb.SessionRequest:
-        return pb.SessionRequest(job_id=self.job, member_id=self.member_id, generation=self.generation, ready_port=self.ready_port)
+        return pb.SessionRequest(job_id=self.job, member_id=self.member_id, generation=self.generation, spare_port=self.spare_port)
 
     async def _read(self) -> None:
         async for event in self.call:
             kind = event.WhichOneof("event")
-            if kind == "world_changed" and self.changed_at is None:
-                self.changed_at = time.monotonic()
-                self.ready_port = 40000
-                await self.send()
-            elif kind == "assignment":
+            if kind in ("world_changed", "assignment") and self.changed_at is None:
+                self.changed_at = time.monotonic()  # told: a world change, or the new world itself
+            if kind == "assignment":
                 self.assigned_at = time.monotonic()
-                self.generation, self.ready_port = event.assignment.generation, 0
+                self.generation = event.assignment.generation
 
 
 async def main_async(n: int, ttl: float) -> None:

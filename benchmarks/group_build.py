@@ -4,7 +4,7 @@ tp=2, pp=2, dp=2 for 8 local processes with gloo, three ways:
   every-rank loop   every rank calls new_group for every group of every family
                     (Megatron's parallel_state; what torch requires by default)
   by_enumeration    torch's new_subgroups_by_enumeration, once per family
-  member-only       what commctx does (commctx.groups.member_group): each rank
+  member-only       what commctx does (commctx._torch.new_member_group): each rank
                     creates only its own groups, in the plan's canonical order,
                     named after the plan
 
@@ -31,12 +31,9 @@ METHODS = ("every-rank loop", "by_enumeration", "member-only")
 
 
 def plan() -> dict[str, list[list[int]]]:
-    from commctx.server.groups import expand
-    from commctx.server.spec import spec_from_proto
-    from commctx.server.topology import layout_groups
-    from commctx.v1 import rendezvous_pb2 as pb
+    from commctx.server.planning import JobSpec, expand, layout_groups
 
-    spec = spec_from_proto(pb.JobSpec(world_size=WORLD, layout=pb.ParallelLayout(tp=2, pp=2, dp=2)))
+    spec = JobSpec.build(WORLD, layout={"tp": 2, "pp": 2, "dp": 2})
     return {d: [expand(g.ranks) for g in layout_groups(spec.layout, d)] for d in ("tp", "dp", "pp")}
 
 
@@ -46,7 +43,7 @@ def worker(rank: int, ports: list[int], rounds: int, barrier, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from commctx.groups import member_group
+    from commctx._torch import new_member_group as member_group
 
     families = plan()
     port = iter(ports)

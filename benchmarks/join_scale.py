@@ -19,7 +19,10 @@ open), "held" after the clients have closed their connections and the
 server has idled 8 s (it collects and trims its heap once calm after a
 burst): what the members themselves keep.
 
-    python benchmarks/join_scale.py [--procs 4] [--shared] [--servers commctx,trivial] [N ...]   (default N: 10000)
+Each server is measured --repeat times, alternating; the table shows the
+median run (by time) and the range of times.
+
+    python benchmarks/join_scale.py [--procs 4] [--shared] [--repeat 3] [--servers commctx,trivial] [N ...]   (default N: 10000)
 """
 
 from __future__ import annotations
@@ -129,15 +132,23 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--shared", action="store_true", help="one connection per load process instead of one per worker")
     p.add_argument("--servers", default="commctx,trivial")
+    p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     how = "one connection per load process" if args.shared else "one connection per worker"
     print(f"# {args.procs} load processes, {how}; servers unpinned; commctx with its SQLite store")
-    print(f"{'server':<8} {'workers':>8} {'first join -> last assignment':>30} {'server CPU':>11} {'per join':>9}   "
+    print(f"{'server':<8} {'workers':>8} {'first join -> last assignment (range)':>38} {'server CPU':>11} {'per join':>9}   "
           f"RSS per member: {'connection':>10} {'peak':>9} {'settled':>9} {'held':>9}")
+    kinds = args.servers.split(",")
     for n in args.sizes:
-        for kind in args.servers.split(","):
-            r = measure(kind, n, args.procs, args.shared)
-            print(f"{kind:<8} {n:>8} {r['seconds']:>28.3f} s {r['cpu']:>9.2f} s {r['cpu'] / n * 1000:>6.3f} ms   {'':>15}"
+        runs = {kind: [] for kind in kinds}
+        for _ in range(args.repeat):
+            for kind in kinds:
+                runs[kind].append(measure(kind, n, args.procs, args.shared))
+        for kind in kinds:
+            ordered = sorted(runs[kind], key=lambda r: r["seconds"])
+            r = ordered[len(ordered) // 2]
+            spread = f"({ordered[0]['seconds']:.2f}-{ordered[-1]['seconds']:.2f})"
+            print(f"{kind:<8} {n:>8} {r['seconds']:>22.3f} s {spread:>13} {r['cpu']:>9.2f} s {r['cpu'] / n * 1000:>6.3f} ms   {'':>15}"
                   f"{r['conn']:>6.1f} KiB {r['peak']:>5.1f} KiB {r['settled']:>5.1f} KiB {r['held']:>5.1f} KiB", flush=True)
 
 

@@ -14,7 +14,9 @@ and stops when the last survivor has its generation-2 assignment. Meanwhile
 a prober calls grpc.health.v1 Check every 20 ms; the loop lag is the
 server's own gauge (the worst lateness of a 50 ms timer over the last 10 s).
 
-    python benchmarks/reform_scale.py [--members 10000] [--procs 4] [--channels 25] [--lease-ttl-s 10] [--servers commctx,relay]
+Each server is measured --repeat times, alternating; every run is printed.
+
+    python benchmarks/reform_scale.py [--members 10000] [--procs 4] [--channels 25] [--lease-ttl-s 10] [--repeat 2] [--servers commctx,relay]
 """
 
 from __future__ import annotations
@@ -231,19 +233,25 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=25, help="connections per load process")
     p.add_argument("--lease-ttl-s", type=float, default=10.0)
     p.add_argument("--servers", default="commctx,relay")
+    p.add_argument("--repeat", type=int, default=2)
     args = p.parse_args()
     print(f"# {args.members} members with sessions from {args.procs} processes x {args.channels} connections; "
           f"lease TTL {args.lease_ttl_s:g} s; servers unpinned")
     print(f"{'server':<8} {'expiry -> all survivors at gen 2':>33} {'survivors at gen 2':>19} {'worst loop lag':>15} {'worst health Check':>19}")
-    rows = {}
-    for kind in args.servers.split(","):
-        r = rows[kind] = measure(kind, args.members, args.procs, args.channels, args.lease_ttl_s)
-        extra = f"  (server: {r['joined'][0]} members, generation {r['joined'][1]})" if r["joined"] else ""
-        print(f"{kind:<8} {r['seconds']:>31.3f} s {r['held']:>9}/{r['survivors']:<9} {r['lag'] * 1000:>12.1f} ms "
-              f"{r['health'] * 1000:>16.1f} ms{extra}", flush=True)
+    rows: dict[str, list[dict]] = {}
+    for _ in range(args.repeat):
+        for kind in args.servers.split(","):
+            r = measure(kind, args.members, args.procs, args.channels, args.lease_ttl_s)
+            rows.setdefault(kind, []).append(r)
+            extra = f"  (server: {r['joined'][0]} members, generation {r['joined'][1]})" if r["joined"] else ""
+            print(f"{kind:<8} {r['seconds']:>31.3f} s {r['held']:>9}/{r['survivors']:<9} {r['lag'] * 1000:>12.1f} ms "
+                  f"{r['health'] * 1000:>16.1f} ms{extra}", flush=True)
     if "commctx" in rows and "relay" in rows:
-        print(f"ratio commctx/relay: re-form {rows['commctx']['seconds'] / rows['relay']['seconds']:.2f}x, "
-              f"health {rows['commctx']['health'] / max(rows['relay']['health'], 1e-9):.2f}x")
+        def mean(kind: str, key: str) -> float:
+            return sum(r[key] for r in rows[kind]) / len(rows[kind])
+
+        print(f"mean ratio commctx/relay: re-form {mean('commctx', 'seconds') / mean('relay', 'seconds'):.2f}x, "
+              f"worst health Check {mean('commctx', 'health') / max(mean('relay', 'health'), 1e-9):.2f}x")
 
 
 if __name__ == "__main__":

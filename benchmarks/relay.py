@@ -4,7 +4,8 @@ It speaks commctx.v1 as the real server does (Join long-polls until the job
 has all its workers; Session renews leases and pushes assignments; health;
 the same event-loop lag gauge), but plans nothing and keeps no store: every
 assignment is a canned message with the member's arrival index as its rank.
-Leases are one asyncio timer per member, reset on every renewal. When a
+Leases are one asyncio timer per member, started when its session opens
+and reset on every renewal. When a
 lease runs out, every other member of the job gets its next-generation
 assignment on its session, as the real server does for a re-form.
 
@@ -69,7 +70,6 @@ class Relay(pb_grpc.RendezvousServicer):
             job.generation = 1
             job.formed.set()
         await job.formed.wait()
-        self._lease(request.job_id, member_id, member)
         return pb.JoinResponse(member_id=member_id, lease_ttl_ms=int(self.ttl * 1000),
                                assignment=assignment(request.job_id, 1, member.rank, job.size))
 
@@ -100,7 +100,7 @@ class Relay(pb_grpc.RendezvousServicer):
         await context.write(pb.SessionEvent(lease_ttl_ms=int(self.ttl * 1000)))
 
         async def renewals():
-            while (request := await context.read()) is not grpc.aio.EOF:
+            while await context.read() is not grpc.aio.EOF:
                 if first.member_id in job.members:
                     self._lease(first.job_id, first.member_id, member)
             member.outbox.put_nowait(None)

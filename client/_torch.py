@@ -60,12 +60,12 @@ def new_member_group(ranks: list[int], backend: str, name: str, timeout: datetim
     """
     purpose = "create member-only groups"
     where = "torch.distributed.distributed_c10d"
+    accepted = _helper_keywords()  # first: a missing helper is named before anything is called
     default_pg = _internal(c10d, "_get_default_group", where, purpose)()
     world = _internal(c10d, "_world", where, purpose)
     pg_map = _internal(world, "pg_map", f"{where}._world", purpose)
     group_ranks = _internal(world, "pg_group_ranks", f"{where}._world", purpose)
     _, default_store = pg_map[default_pg]
-    accepted = _helper_keywords()
     optional = {"timeout": timeout, "device_id": getattr(default_pg, "bound_device_id", None), "group_desc": name}
     pg, _ = c10d._new_process_group_helper(
         len(ranks), ranks.index(dist.get_rank()), ranks, backend, default_store, name,

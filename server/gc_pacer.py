@@ -10,14 +10,15 @@ histogram). Collection cannot simply be turned off: grpc's own method lookup
 leaves a few objects in a reference cycle per call.
 
 So the pacer turns automatic collection off and collects the youngest
-generation every 20 ms and the middle one every 100 ms: each pass sees only
-what was made since the last, a few milliseconds' worth. Full collections,
-whose cost grows with everything the server holds, run once the event loop
-has been calm for five seconds after busier times (and at least every half
-hour, calm or not). After a full collection the C heap is trimmed
-(glibc's malloc_trim): a burst of ten thousand calls leaves most of its
-buffers free but held by the allocator, which would otherwise count against
-the server's memory until the next burst reuses them.
+generation every 20 ms and the middle one every fifth pass: each pass sees
+only what was made since the last, a few milliseconds' worth. (When passes
+find next to nothing, an idle server, the period stretches to 100 ms.)
+Full collections, whose cost grows with everything the server holds (about
+60 ms per 1,000 open sessions here), run once the event loop has been calm
+for 30 seconds after busier times, at most every 5 minutes, and at least
+every hour, calm or not. Five calm seconds after a burst the C heap is
+trimmed (glibc's malloc_trim, in a worker thread): a burst of ten thousand
+calls leaves many of its buffers free but held by the allocator.
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ import time
 from .telemetry import LoopLag
 
 YOUNG_EVERY_S = 0.02
+IDLE_EVERY_S = 0.1
+IDLE_PASS_S = 0.0002  # a young pass this quick found next to nothing
 MIDDLE_EVERY = 5  # young passes
-FULL_AT_LEAST_EVERY_S = 1800.0
+FULL_AT_MOST_EVERY_S = 300.0
+FULL_AT_LEAST_EVERY_S = 3600.0
+CALM_FOR_S = 30
+TRIM_CALM_FOR_S = 5
 CALM_LAG_S = 0.01
 
 
@@ -53,20 +59,31 @@ class GcPacer:
         """Collects until cancelled; automatic collection is restored then."""
         was_enabled = gc.isenabled()
         gc.disable()
-        last_full = time.monotonic()
+        last_full = last_late = time.monotonic()
+        own_pause_until = 0.0  # the lag a full collection causes itself is not "busy"
+        collect_after_calm = trim_after_calm = False  # busier times since the last full collection / trim
         passes = 0
-        busy = False  # busier times since the last full collection
+        period = YOUNG_EVERY_S
         try:
             while True:
-                await asyncio.sleep(YOUNG_EVERY_S)
+                await asyncio.sleep(period)
                 passes += 1
-                busy = busy or self._loop_lag.worst(1) >= CALM_LAG_S
-                if (busy and self._loop_lag.worst(5) < CALM_LAG_S) or time.monotonic() - last_full > FULL_AT_LEAST_EVERY_S:
+                now = time.monotonic()
+                if now > own_pause_until and self._loop_lag.worst(1) >= CALM_LAG_S:
+                    last_late, collect_after_calm, trim_after_calm = now, True, True
+                calm_for = now - last_late
+                if (collect_after_calm and calm_for > CALM_FOR_S and now - last_full > FULL_AT_MOST_EVERY_S) \
+                        or now - last_full > FULL_AT_LEAST_EVERY_S:
                     gc.collect(2)
+                    last_full, collect_after_calm, trim_after_calm = time.monotonic(), False, True
+                    own_pause_until = last_full + 1.1
+                    continue
+                if trim_after_calm and calm_for > TRIM_CALM_FOR_S:
+                    trim_after_calm = False
                     await asyncio.to_thread(_malloc_trim)
-                    last_full, busy = time.monotonic(), False
-                else:
-                    gc.collect(1 if passes % MIDDLE_EVERY == 0 else 0)
+                started = time.perf_counter()
+                gc.collect(1 if passes % MIDDLE_EVERY == 0 else 0)
+                period = IDLE_EVERY_S if time.perf_counter() - started < IDLE_PASS_S else YOUNG_EVERY_S
         finally:
             if was_enabled:
                 gc.enable()

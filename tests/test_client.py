@@ -4,6 +4,7 @@ seed API around a one-worker job (real server process, real gloo group)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 
@@ -11,6 +12,9 @@ import grpc
 import pytest
 import torch
 import torch.distributed as dist
+
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from commctx import (
     CommContext,
@@ -28,9 +32,6 @@ from commctx import (
     ServerUnavailable,
     StaleGeneration,
 )
-from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
-
 from commctx.addresses import split_address
 from commctx.lifecycle import resolve_backend
 from commctx.transport import error_from_rpc
@@ -228,6 +229,52 @@ def test_unreachable_server_is_a_typed_error():
         port = s.getsockname()[1]  # nothing listens here
     with pytest.raises(ServerUnavailable, match="no answer from rendezvous server"):
         CommContext.join(f"127.0.0.1:{port}", job_id="x", world_size=1, timeout=0.2)
+
+
+def test_a_missing_torch_internal_is_a_commctx_error_naming_the_version(monkeypatch):
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from commctx import _torch
+
+    _torch._helper_keywords.cache_clear()
+    monkeypatch.delattr(c10d, "_new_process_group_helper")
+    with pytest.raises(CommContextError, match=rf"torch {re.escape(torch.__version__)} lacks torch.distributed.distributed_c10d._new_process_group_helper, "
+                                               r"which commctx uses to create member-only groups \(tested with torch 2.13\)"):
+        _torch.new_member_group([0], "gloo", "g", datetime.timedelta(seconds=1))
+    _torch._helper_keywords.cache_clear()
+    monkeypatch.delattr(c10d, "_abort_process_group")
+    assert not _torch.can_abort()
+    with pytest.raises(CommContextError, match="_abort_process_group"):
+        _torch.abort_process_groups()
+
+    class OldTCPStore:
+        def __init__(self, *args, **kwargs):
+            if "master_listen_fd" in kwargs:
+                raise TypeError("__init__() got an unexpected keyword argument 'master_listen_fd'")
+
+    monkeypatch.setattr(dist, "TCPStore", OldTCPStore)
+    with socket.socket() as sock, pytest.raises(CommContextError, match=r"lacks TCPStore\(master_listen_fd=...\)"):
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        _torch.store_on_socket("127.0.0.1", sock.getsockname()[1], 1, datetime.timedelta(seconds=1), sock)
+        assert sock.fileno() >= 0  # still ours: nothing took it over
+
+
+def test_the_seed_attributes_are_views_of_one_registry():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = CommContext()
+    ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"tcp://127.0.0.1:{port}", timeout=30)
+    ctx.init_group([0], mode="PAIRS", backend="gloo")
+    assert ctx._global_ranks == {"GLOBAL": 0}
+    assert ctx._ranks_in_group == {"GLOBAL": [0], "PAIRS": [0]}
+    assert ctx._world_sizes == {"GLOBAL": 1, "PAIRS": 1} and ctx._local_ranks == {"GLOBAL": 0, "PAIRS": 0}
+    assert ctx._groups["GLOBAL"] is dist.group.WORLD and set(ctx._groups) == {"GLOBAL", "PAIRS"}
+    ctx.destroy()
+    assert CommContext()._groups == {}
 
 
 def test_job_spec_from_a_dict():

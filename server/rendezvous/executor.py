@@ -8,7 +8,8 @@ from the queue, not from a timer), and only then hands over the notes, puts
 the pushed events in their session sinks and wakes the Join waiters, in
 order. So a formed world is durable before anyone hears of it, and nobody
 hears of a later change before an earlier one. Long lists of pushes and wakes
-go in slices, yielding the event loop between them.
+go in slices, yielding the event loop between them, and worlds too big to
+plan inside a transition are planned in a worker thread.
 
 `Waiters` holds the Join calls waiting for their world. `Executor` also arms
 the one timer that runs the machine's `expire_due` when its next deadline
@@ -24,9 +25,9 @@ import math
 from collections.abc import Callable
 
 from ..errors import Conflict, NotFound, Unavailable
+from ..planning import PlanError, WorldPlan, plan_world
 from .deadlines import Deadlines
 from .machine import Actions, Rendezvous
-from ..planning import PlanError, WorldPlan, plan_world
 from .model import JobStopped, MemberGone, NewWorld, Note, PlanRequest, WaitOutcome
 from .store import Fenced, Store, StoreError
 
@@ -147,7 +148,6 @@ class Executor:
         self._retry_s = retry_s
         self._queue: collections.deque[tuple[Actions, asyncio.Future[None] | None]] = collections.deque()
         self._ready = asyncio.Event()
-        self._idle: list[asyncio.Future[None]] = []
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -277,7 +277,7 @@ class Executor:
         if at >= self._timer_at or at == math.inf:
             return
         loop = asyncio.get_running_loop()
-        delay = max(0.0, at - self._machine_now())
+        delay = max(0.0, at - self._machine.now())
         fire_at = math.ceil((loop.time() + delay) / TICK_S) * TICK_S  # coalesce deadlines into ticks
         if self._timer is not None:
             self._timer.cancel()
@@ -293,6 +293,3 @@ class Executor:
             self._timer, self._timer_at = asyncio.get_running_loop().call_soon(self._fire), -math.inf
         else:
             self._rearm()
-
-    def _machine_now(self) -> float:
-        return self._machine.now()
