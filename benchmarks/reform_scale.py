@@ -200,6 +200,7 @@ def measure(kind: str, n: int, procs: int, channels: int, ttl: float) -> dict:
             # (the last 10 s) holds the re-form, not the burst of opening.
             time.sleep(max(ttl / 3 + 1, 11 - ttl))
             prober = Prober(server.address)
+            before = scrape(server.metrics_url)
             for c in pipes:
                 c.send(n // 2)
             step("one member stops renewing")
@@ -211,6 +212,9 @@ def measure(kind: str, n: int, procs: int, channels: int, ttl: float) -> dict:
             finished = max(r[0] for r in results)
             metrics = scrape(server.metrics_url)
             lag = metrics["commctx_event_loop_lag_max_seconds"]
+            gc_s = sum(metrics[k] - before.get(k, 0.0) for k in metrics if k.startswith("commctx_gc_pause_seconds_sum"))
+            step(f"loop lag before the stop {before.get('commctx_event_loop_lag_max_seconds', 0) * 1000:.1f} ms; "
+                 f"GC from the stop to the re-form: {gc_s * 1000:.0f} ms")
             prober.stop()
             held = sum(r[1] for r in results)
             joined = None

@@ -238,6 +238,55 @@ def test_a_plan_for_a_job_that_changed_meanwhile_is_dropped(clock):
     assert [o for _, o in actions.wakes] == [JobStopped("job 'job' cannot form: no seat")]
 
 
+def test_a_big_world_re_forms_with_one_message_per_survivor(clock):
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, plan_inline_max=2)
+    spec = elastic(4, 2, last_call_ms=5000)
+    ids = []
+    for n in range(4):
+        mid, actions = join(rdzv, params(spec, f"n{n}"))
+        ids.append(mid)
+    (request,) = actions.plans
+    rdzv.planned(request, plan_world(request.candidates, request.spec))
+    sinks = sessions(rdzv, ids)
+    clock.now += TTL * 0.7
+    for mid in ids[:3]:
+        rdzv.renew("job", mid, 1)  # ids[3] falls silent
+    clock.now += TTL * 0.4
+    actions, _ = rdzv.expire_due()
+    (request,) = actions.plans  # three survivors: planned off the loop ...
+    assert [s for s, _ in actions.pushes] == [sinks[ids[3]]]  # its own Gone; survivors hear nothing yet: the assignment is the news
+    actions = rdzv.planned(request, plan_world(request.candidates, request.spec))
+    (world,) = worlds(actions)
+    assert world.generation == 2 and all(pushed(actions, sinks[m]) == [world] for m in ids[:3])
+
+
+def test_survivors_hear_of_a_wait_that_began_while_their_world_was_planned(clock):
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, plan_inline_max=1)
+    spec = elastic(4, 2, last_call_ms=5000)
+    ids = []
+    for n in range(3):
+        mid, actions = join(rdzv, params(spec, f"n{n}"))
+        ids.append(mid)
+    clock.now += 5.0  # the last call closes: a world of 3
+    actions, _ = rdzv.expire_due()
+    (request,) = actions.plans
+    rdzv.planned(request, plan_world(request.candidates, request.spec))
+    sinks = sessions(rdzv, ids)
+    clock.now += TTL * 0.7
+    for mid in ids[:2]:
+        rdzv.renew("job", mid, 1)
+    clock.now += TTL * 0.4
+    actions, _ = rdzv.expire_due()  # ids[2] expires
+    (request,) = actions.plans
+    assert [s for s, _ in actions.pushes] == [sinks[ids[2]]]
+    _, actions = join(rdzv, params(spec, "n3"))  # a newcomer opens a last call: the plan in flight is stale
+    assert not actions.pushes and not actions.plans
+    actions = rdzv.planned(request, plan_world(request.candidates, request.spec))
+    change = WorldChange(1, f"member {ids[2]} (node 'n2', rank 2) expired")
+    assert not worlds(actions) and all(pushed(actions, sinks[m]) == [change] for m in ids[:2])
+    assert rdzv.describe("job").state is JobState.FORMING
+
+
 # -- leases ----------------------------------------------------------------------------------
 
 
@@ -248,6 +297,8 @@ def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, clock):
     assert rdzv.next_deadline() == math.inf
     assert not rdzv.expire_due()[0]
     other, _ = join(rdzv, params(spec))
+    # The first lease is the TTL plus the time to open the world's sessions (1 ms per member).
+    assert rdzv.next_deadline() == clock.now + TTL + 2 * Rendezvous.SESSION_OPEN_S
     clock.now += 9.0
     assert rdzv.keep_alive("job", waiting, 1)[:2] == (TTL, 1)
     clock.now += 2.0  # `other` is now 11 s without renewal, `waiting` 2 s

@@ -105,6 +105,11 @@ class Rendezvous:
     # Worlds of more workers are planned off the event loop (a 10,000-worker
     # plan is tens of milliseconds of Python); smaller ones inside the transition.
     PLAN_INLINE_MAX = 2048
+    # A newly placed member's first lease also covers the time the server takes
+    # to open the sessions of its whole world: about a millisecond each in
+    # grpc.aio (benchmarks/reform_scale.py), so 10 s more for 10,000 workers.
+    # A worker must not lose its seat to the server's own backlog.
+    SESSION_OPEN_S = 0.001
 
     def __init__(
         self,
@@ -290,8 +295,10 @@ class Rendezvous:
             actions.writes.append(PutJob(self._record(job)))
 
     def _announce(self, job: Job, actions: Actions) -> None:
-        """Tells the survivors that the world is re-forming (once per change)."""
-        if job.announced:
+        """Tells the survivors that the world is re-forming (once per change),
+        unless the plan of the next world is already being computed: then its
+        assignment, a few milliseconds later, is the one message they need."""
+        if job.announced or job.planning == job.version:
             return
         job.announced = True
         change = WorldChange(job.generation, job.reason)
@@ -359,6 +366,8 @@ class Rendezvous:
         job.planning = -1
         if job.version != request.version or self._formable(job) != request.spec.world_size:
             self._maybe_form(job, actions)
+            if job.state is JobState.FORMING and job.generation > 0:
+                self._announce(job, actions)  # survivors wait longer: tell them now
         else:
             self._seat(job, plan, actions)
         return actions
@@ -383,10 +392,11 @@ class Rendezvous:
         job.reason, job.suspects, job.announced = reason, set(), False
         job.placed = plan.world_size
         members = job.members
+        first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
         for mid in plan.ranks:
             m = members[mid]
             if m.lease_deadline == math.inf:  # newly placed: its lease starts now
-                m.lease_deadline = now + self.lease_ttl_s
+                m.lease_deadline = first_lease
                 self._leases.push(m.lease_deadline, (job.job_id, mid))
         rank0 = plan.seating.nodes[0].members[0]
         members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
