@@ -33,7 +33,7 @@ from .store import Fenced, Store, StoreError
 
 log = logging.getLogger("commctx.server")
 
-SLICE = 100  # pushes or wakes between two yields of the event loop: each wakes a coroutine that runs in the next turn
+SLICE = 50  # pushes or wakes between two yields of the event loop: each wakes a coroutine that runs in the next turn
 TICK_S = 0.05  # deadlines are served on ticks of this length
 
 
