@@ -29,12 +29,35 @@ from commctx.server.errors import RendezvousError
 from commctx.server.planning import Candidate, JobSpec, PlanError, WorldPlan, expand, plan_world
 
 from .addresses import DEFAULT_PORT
+from .errors import CommContextError
+from .transport import tls_of
 
 
 def default_address(env: Mapping[str, str] | None = None) -> str:
     """Where this host's server answers: 127.0.0.1 and COMMCTX_PORT (the server's own variable)."""
     env = os.environ if env is None else env
     return f"127.0.0.1:{env.get('COMMCTX_PORT') or DEFAULT_PORT}"
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default=None, help="host:port (default 127.0.0.1 and COMMCTX_PORT, else 50051)")
+    p.add_argument("--tls-ca", help="PEM CA of the server's certificate: connect with TLS (default COMMCTX_TLS_CA)")
+    p.add_argument("--tls-cert", help="PEM client certificate, for a server requiring one "
+                                      "(default COMMCTX_TLS_CERT, used when a CA is given)")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert (default COMMCTX_TLS_KEY, used when a CA is given)")
+
+
+def connect(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[str, grpc.Channel]:
+    """The address and a channel to it, over TLS when a TLS file is given.
+
+    Raises:
+        CommContextError: a TLS file cannot be read, or a certificate came without its key.
+    """
+    env = os.environ if env is None else env
+    addr = args.addr or default_address(env)
+    tls = tls_of(args.tls_ca, args.tls_cert, args.tls_key,
+                 env.get("COMMCTX_TLS_CA"), env.get("COMMCTX_TLS_CERT"), env.get("COMMCTX_TLS_KEY"))
+    return addr, grpc.secure_channel(addr, tls.credentials()) if tls is not None else grpc.insecure_channel(addr)
 
 
 def _sizes(text: str) -> list[int]:
@@ -157,16 +180,16 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_health_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("health", help="ask a server's gRPC health service; exit 0 when SERVING",
                        description="Calls grpc.health.v1.Health/Check. Exit status 0: SERVING; 1: anything else or no answer.")
-    p.add_argument("--addr", default=None, help="host:port (default 127.0.0.1 and COMMCTX_PORT, else 50051)")
+    add_connection_arguments(p)
     p.add_argument("--service", default="", help='service name ("" = the whole server; or commctx.v1.Rendezvous)')
     p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
     p.set_defaults(run=run_health)
 
 
 def run_health(args: argparse.Namespace) -> int:
-    addr = args.addr or default_address()
+    addr, channel = connect(args)
     try:
-        with grpc.insecure_channel(addr) as channel:
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
     except grpc.RpcError as exc:
         print(f"{addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -179,7 +202,7 @@ def run_health(args: argparse.Namespace) -> int:
 def add_status_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="jobs, members per node, who is missing and why",
                        description="Describes the jobs a rendezvous server holds (or one of them).")
-    p.add_argument("--addr", default=None, help="host:port (default 127.0.0.1 and COMMCTX_PORT, else 50051)")
+    add_connection_arguments(p)
     p.add_argument("--job", help="describe this job in detail")
     p.add_argument("--watch", action="store_true", help="repeat every --interval seconds until interrupted")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
@@ -229,8 +252,8 @@ def job_detail(d: pb.JobDescription) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    addr = args.addr or default_address()
-    with grpc.insecure_channel(addr) as channel:
+    addr, channel = connect(args)
+    with channel:
         stub = pb_grpc.RendezvousStub(channel)
         while True:
             try:
@@ -268,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except CommContextError as exc:
+        print(f"commctx {args.run.__name__.removeprefix('run_')}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

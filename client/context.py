@@ -28,6 +28,7 @@ from .lifecycle import DESTROY_TIMEOUT_S
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange
+from .transport import tls_of
 
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 
@@ -81,6 +82,9 @@ class CommContext:
         timeout: float = DEFAULT_JOIN_TIMEOUT_S,
         collective_timeout: int = 1800,
         on_world_changed: Callable[[WorldChange], None] | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> CommContext:
         """Joins `job_id` on the rendezvous server and returns the ready context.
 
@@ -106,9 +110,15 @@ class CommContext:
             collective_timeout: torch.distributed timeout in seconds.
             on_world_changed: Called (from the session thread; keep it quick)
                 when the server re-forms the world; see rejoin().
+            tls_ca: PEM file of the CA that signed the server's certificate:
+                talk TLS (default: COMMCTX_TLS_CA; neither: plaintext).
+            tls_cert, tls_key: PEM files of this worker's certificate and key,
+                for a server that requires client certificates (default:
+                COMMCTX_TLS_CERT, COMMCTX_TLS_KEY).
 
         Raises:
-            CommContextError: this process is already initialised.
+            CommContextError: this process is already initialised, or a TLS
+                file cannot be read.
             RendezvousError: the server refused the join or the world did not
                 form in time (subclasses say which; see commctx.errors).
         """
@@ -121,10 +131,12 @@ class CommContext:
             job_id=job_id, spec=job_spec_of(spec, world_size), role=role or "",
             node_key=node_key or socket.gethostname(), local_rank=local_rank, node_rank=node_rank,
         )
+        launcher = LauncherEnv.from_env()
+        tls = tls_of(tls_ca, tls_cert, tls_key, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
         try:
             membership = ctx._membership = Membership.join(
                 server_addr, request, advertise_addr=advertise_addr, backend=resolve_backend(backend),
-                timeout_s=timeout, collective_timeout_s=collective_timeout)
+                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
             membership.enter(ctx._registry)

@@ -32,6 +32,7 @@ from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
 from .session import Session
+from .transport import Tls
 
 log = logging.getLogger("commctx")
 
@@ -49,6 +50,9 @@ class LauncherEnv:
     local_world_size: int | None = None
     gloo_socket_ifname: str | None = None
     nccl_socket_ifname: str | None = None
+    tls_ca: str | None = None  # COMMCTX_TLS_*: TLS to the rendezvous server
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
@@ -77,6 +81,9 @@ class LauncherEnv:
             local_world_size=number("LOCAL_WORLD_SIZE"),
             gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
             nccl_socket_ifname=env.get("NCCL_SOCKET_IFNAME") or None,
+            tls_ca=env.get("COMMCTX_TLS_CA") or None,
+            tls_cert=env.get("COMMCTX_TLS_CERT") or None,
+            tls_key=env.get("COMMCTX_TLS_KEY") or None,
         )
 
 
@@ -139,7 +146,8 @@ class Membership:
 
     @classmethod
     def join(cls, server_addr: str, request: pb.JoinRequest, *, advertise_addr: str | None, backend: str,
-             timeout_s: float, collective_timeout_s: int, env: MutableMapping[str, str] | None = None) -> Membership:
+             timeout_s: float, collective_timeout_s: int, env: MutableMapping[str, str] | None = None,
+             tls: Tls | None = None) -> Membership:
         """Joins with `request` (job, spec, node and rank fields) and blocks until
         placed in a world. The address and spare port are filled in here.
 
@@ -148,8 +156,12 @@ class Membership:
         """
         host, port = split_address(server_addr)
         address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
-        spare = _listen_on(address)
-        session = Session(server_addr)
+        session = Session(server_addr, tls)  # first: a TLS file that cannot be read fails before any socket is held
+        try:
+            spare = _listen_on(address)
+        except BaseException:
+            session.close(leave=False)
+            raise
         request.address = address
         request.master_port = spare.getsockname()[1]
         try:

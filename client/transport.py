@@ -8,6 +8,8 @@ details (the call failed before the server answered) the status code decides.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -65,18 +67,71 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.RendezvousError:
     return cls(code.name, details, reason)
 
 
-def open_channel(server_addr: str) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
-    """A channel and stub for `server_addr` ('host:port'; the port defaults to 50051).
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """TLS to the rendezvous server: PEM files of the CA that signed the
+    server's certificate (None: the system's roots) and, for mutual TLS, this
+    client's certificate chain and key."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise errors.CommContextError(
+                f"a TLS client certificate needs its key and the key its certificate (got tls_cert={self.cert!r}, tls_key={self.key!r})")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Raises:
+            CommContextError: a file cannot be read (the message names it).
+        """
+        return grpc.ssl_channel_credentials(_read(self.ca, "tls_ca"), _read(self.key, "tls_key"), _read(self.cert, "tls_cert"))
+
+
+def tls_of(ca: str | None, cert: str | None, key: str | None,
+           env_ca: str | None = None, env_cert: str | None = None, env_key: str | None = None) -> Tls | None:
+    """The Tls the arguments ask for, or None (plaintext) when none is given.
+
+    The COMMCTX_TLS_* values (env_*) fill in only what the arguments leave
+    open, and the certificate and key only once a CA is known: inside the
+    server's own container COMMCTX_TLS_CERT/KEY are the server's files, and
+    must not turn a plaintext health probe there into a TLS client.
+    """
+    ca = ca or env_ca or None
+    if ca:
+        cert, key = cert or env_cert, key or env_key
+    return Tls(ca, cert or None, key or None) if (ca or cert or key) else None
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise errors.CommContextError(f"cannot read {what} {path!r}: {exc.strerror}") from None
+
+
+CHANNEL_OPTIONS = [
+    # Notice a dead connection while a Join waits, without flooding a live one.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+def open_channel(server_addr: str, tls: Tls | None = None) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
+    """A channel and stub for `server_addr` ('host:port'; the port defaults to 50051),
+    over TLS when `tls` is given.
 
     Raises:
         ValueError: the address is not host:port.
+        CommContextError: a TLS file cannot be read.
     """
-    channel = grpc.insecure_channel(
-        host_port(*split_address(server_addr)),
-        options=[
-            # Notice a dead connection while a Join waits, without flooding a live one.
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-        ],
-    )
+    target = host_port(*split_address(server_addr))
+    if tls is None:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
     return channel, pb_grpc.RendezvousStub(channel)

@@ -83,6 +83,9 @@ SETTINGS = (
     Setting("grace_s", _non_negative, "5", "on SIGTERM, how long in-flight calls may finish"),
     Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     Setting("log_format", _choice("plain", "json"), "plain", "one line per event, as key=value text or JSON"),
+    Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
+    Setting("tls_key", str, "", "PEM private key of --tls-cert"),
+    Setting("tls_client_ca", str, "", "PEM CA bundle: require client certificates it signed (mutual TLS; needs --tls-cert)"),
 )
 
 
@@ -98,6 +101,9 @@ class Config:
     grace_s: float = 5.0
     log_level: str = "info"
     log_format: str = "plain"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
 
 def parser(prog: str = "commctx-server") -> argparse.ArgumentParser:
@@ -124,4 +130,8 @@ def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = 
             values[s.name] = s.parse(raw)
         except ValueError as exc:
             p.error(f"{source}={raw}: {exc}")
+    if bool(values["tls_cert"]) != bool(values["tls_key"]):
+        p.error("--tls-cert and --tls-key go together (COMMCTX_TLS_CERT, COMMCTX_TLS_KEY)")
+    if values["tls_client_ca"] and not values["tls_cert"]:
+        p.error("--tls-client-ca requires client certificates over TLS: give --tls-cert and --tls-key too")
     return Config(**values)

@@ -23,17 +23,38 @@ from commctx.addresses import host_port
 from .config import Config, from_env
 from .rendezvous.sqlite import SqliteStore
 from .rendezvous.store import StoreError
-from .rpc.app import start_server
+from .rpc.app import ServerTls, start_server
 from .telemetry import configure_logging
 
 log = logging.getLogger("commctx.server")
 
 
+def read_tls(config: Config) -> ServerTls | None:
+    """The TLS files the configuration names, read.
+
+    Raises:
+        OSError: naming the file that cannot be read.
+    """
+    if not config.tls_cert:
+        return None
+
+    def read(path: str, flag: str) -> bytes:
+        try:
+            with open(os.path.expanduser(path), "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise OSError(f"cannot read {flag} {path}: {exc.strerror}") from None
+
+    return ServerTls(read(config.tls_cert, "--tls-cert"), read(config.tls_key, "--tls-key"),
+                     read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
+
+
 async def serve(config: Config) -> int:
+    tls = read_tls(config)
     store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
         config.host, config.port, lease_ttl_s=config.lease_ttl_s,
-        health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True,
+        health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True, tls=tls,
     )
     print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
     if server.health_port is not None:
@@ -66,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()  # what start-up made lives as long as the process: never scan it
     try:
         return asyncio.run(serve(config))
-    except StoreError as exc:
+    except (StoreError, OSError) as exc:
         print(f"commctx-server: {exc}", file=sys.stderr)
         return 1
 

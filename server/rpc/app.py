@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -106,8 +107,24 @@ def _grpc_server() -> grpc.aio.Server:
     )
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class ServerTls:
+    """The main port's TLS, as PEM bytes: certificate chain, key, and the CA
+    bundle client certificates must chain to (None: no client certificates)."""
+
+    cert_chain: bytes
+    key: bytes
+    client_ca: bytes | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert_chain)], root_certificates=self.client_ca, require_client_auth=self.client_ca is not None)
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None = None) -> int:
     try:
+        if tls is not None:
+            return server.add_secure_port(host_port(host, port), tls.credentials())
         return server.add_insecure_port(host_port(host, port))
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {host_port(host, port)}: {exc}") from exc
@@ -123,6 +140,7 @@ async def start_server(
     store: Store | None = None,
     clock: Callable[[], float] = time.monotonic,
     pace_gc: bool = False,
+    tls: ServerTls | None = None,
 ) -> RendezvousServer:
     """Starts a rendezvous server on host:port (port 0: any free port).
 
@@ -136,6 +154,8 @@ async def start_server(
             free port; None: not at all).
         pace_gc: collect garbage on a timer instead of on allocation counts
             (gc_pacer.py); changes the whole process, so for a dedicated server.
+        tls: serve the main port over TLS only (mutual TLS with a client CA);
+            the health-only port stays plaintext for probes.
 
     Raises:
         RuntimeError: an address could not be bound.
@@ -170,7 +190,7 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
-        out.port = _listen(server, host, port)
+        out.port = _listen(server, host, port, tls)
         out._servers.append(server)
         if health_port is not None:
             probe = grpc.aio.server()
