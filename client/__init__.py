@@ -25,6 +25,7 @@ from .errors import (
     RendezvousTimeout,
     ServerUnavailable,
     StaleGeneration,
+    Unauthenticated,
 )
 from .modes import CommMode, ParallelMode
 
@@ -48,6 +49,7 @@ __all__ = [
     "RendezvousTimeout",
     "ServerUnavailable",
     "StaleGeneration",
+    "Unauthenticated",
 ]
 
 if TYPE_CHECKING:

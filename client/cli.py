@@ -30,7 +30,7 @@ from commctx.server.planning import Candidate, JobSpec, PlanError, WorldPlan, ex
 
 from .addresses import DEFAULT_PORT
 from .errors import CommContextError
-from .transport import tls_of
+from .transport import channel_to, tls_of
 
 
 def default_address(env: Mapping[str, str] | None = None) -> str:
@@ -45,6 +45,7 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM client certificate, for a server requiring one "
                                       "(default COMMCTX_TLS_CERT, used when a CA is given)")
     p.add_argument("--tls-key", help="PEM key of --tls-cert (default COMMCTX_TLS_KEY, used when a CA is given)")
+    p.add_argument("--token", help="bearer token, for a server started with --auth-tokens (default COMMCTX_TOKEN)")
 
 
 def connect(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[str, grpc.Channel]:
@@ -57,7 +58,7 @@ def connect(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> t
     addr = args.addr or default_address(env)
     tls = tls_of(args.tls_ca, args.tls_cert, args.tls_key,
                  env.get("COMMCTX_TLS_CA"), env.get("COMMCTX_TLS_CERT"), env.get("COMMCTX_TLS_KEY"))
-    return addr, grpc.secure_channel(addr, tls.credentials()) if tls is not None else grpc.insecure_channel(addr)
+    return addr, channel_to(addr, tls, args.token or env.get("COMMCTX_TOKEN"))
 
 
 def _sizes(text: str) -> list[int]:

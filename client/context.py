@@ -85,6 +85,7 @@ class CommContext:
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        token: str | None = None,
     ) -> CommContext:
         """Joins `job_id` on the rendezvous server and returns the ready context.
 
@@ -115,6 +116,8 @@ class CommContext:
             tls_cert, tls_key: PEM files of this worker's certificate and key,
                 for a server that requires client certificates (default:
                 COMMCTX_TLS_CERT, COMMCTX_TLS_KEY).
+            token: The bearer token of a server started with --auth-tokens
+                (default: COMMCTX_TOKEN).
 
         Raises:
             CommContextError: this process is already initialised, or a TLS
@@ -136,7 +139,8 @@ class CommContext:
         try:
             membership = ctx._membership = Membership.join(
                 server_addr, request, advertise_addr=advertise_addr, backend=resolve_backend(backend),
-                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls)
+                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls,
+                token=token or launcher.token)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
             membership.enter(ctx._registry)

@@ -72,3 +72,7 @@ class RendezvousTimeout(RendezvousError, TimeoutError):
 
 class ServerUnavailable(RendezvousError):
     """UNAVAILABLE: the server cannot be reached or is shutting down."""
+
+
+class Unauthenticated(RendezvousError):
+    """UNAUTHENTICATED: the server requires a token (token= or COMMCTX_TOKEN) and got none it knows."""

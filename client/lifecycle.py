@@ -53,6 +53,7 @@ class LauncherEnv:
     tls_ca: str | None = None  # COMMCTX_TLS_*: TLS to the rendezvous server
     tls_cert: str | None = None
     tls_key: str | None = None
+    token: str | None = None  # COMMCTX_TOKEN: the bearer token the server requires
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
@@ -84,6 +85,7 @@ class LauncherEnv:
             tls_ca=env.get("COMMCTX_TLS_CA") or None,
             tls_cert=env.get("COMMCTX_TLS_CERT") or None,
             tls_key=env.get("COMMCTX_TLS_KEY") or None,
+            token=env.get("COMMCTX_TOKEN") or None,
         )
 
 
@@ -147,7 +149,7 @@ class Membership:
     @classmethod
     def join(cls, server_addr: str, request: pb.JoinRequest, *, advertise_addr: str | None, backend: str,
              timeout_s: float, collective_timeout_s: int, env: MutableMapping[str, str] | None = None,
-             tls: Tls | None = None) -> Membership:
+             tls: Tls | None = None, token: str | None = None) -> Membership:
         """Joins with `request` (job, spec, node and rank fields) and blocks until
         placed in a world. The address and spare port are filled in here.
 
@@ -156,7 +158,7 @@ class Membership:
         """
         host, port = split_address(server_addr)
         address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
-        session = Session(server_addr, tls)  # first: a TLS file that cannot be read fails before any socket is held
+        session = Session(server_addr, tls, token)  # first: a TLS file that cannot be read fails before any socket is held
         try:
             spare = _listen_on(address)
         except BaseException:

@@ -55,9 +55,9 @@ def backoff(attempt: int) -> float:
 class Session:
     """One membership in one job on one rendezvous server."""
 
-    def __init__(self, server_addr: str, tls: Tls | None = None) -> None:
+    def __init__(self, server_addr: str, tls: Tls | None = None, token: str | None = None) -> None:
         self.server_addr = server_addr
-        self._channel, self._stub = open_channel(server_addr, tls)
+        self._channel, self._stub = open_channel(server_addr, tls, token)
         self.member_id = os.urandom(16).hex()
         self.assignment: Assignment | None = None
         self.lease_error: RendezvousError | None = None  # set when the server says the member is gone

@@ -8,6 +8,7 @@ details (the call failed before the server answered) the status code decides.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import grpc
@@ -30,6 +31,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.RendezvousError]] = {
     grpc.StatusCode.NOT_FOUND: errors.MemberNotFound,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.RendezvousTimeout,
     grpc.StatusCode.UNAVAILABLE: errors.ServerUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
 }
 _BY_REASON: dict[str, type[errors.RendezvousError]] = {
     pb.ErrorReason.Name(pb.INVALID_REQUEST): errors.InvalidRequest,
@@ -40,6 +42,7 @@ _BY_REASON: dict[str, type[errors.RendezvousError]] = {
     pb.ErrorReason.Name(pb.MEMBER_NOT_FOUND): errors.MemberNotFound,
     pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT): errors.RendezvousTimeout,
     pb.ErrorReason.Name(pb.SERVER_UNAVAILABLE): errors.ServerUnavailable,
+    pb.ErrorReason.Name(pb.UNAUTHENTICATED_CALLER): errors.Unauthenticated,
 }
 
 
@@ -121,17 +124,59 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def open_channel(server_addr: str, tls: Tls | None = None) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
-    """A channel and stub for `server_addr` ('host:port'; the port defaults to 50051),
-    over TLS when `tls` is given.
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        if not token or not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+            raise errors.CommContextError("a token is printable ASCII without spaces (check token= or COMMCTX_TOKEN)")
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._header], d.credentials,
+                            d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def channel_to(target: str, tls: Tls | None = None, token: str | None = None) -> grpc.Channel:
+    """A channel to `target`, over TLS when `tls` is given, sending `token` on every call when given.
 
     Raises:
-        ValueError: the address is not host:port.
-        CommContextError: a TLS file cannot be read.
+        CommContextError: a TLS file cannot be read, or the token is not printable ASCII.
     """
-    target = host_port(*split_address(server_addr))
     if tls is None:
         channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
     else:
         channel = grpc.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
+    return grpc.intercept_channel(channel, BearerToken(token)) if token else channel
+
+
+def open_channel(server_addr: str, tls: Tls | None = None, token: str | None = None) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
+    """A channel and stub for `server_addr` ('host:port'; the port defaults to 50051);
+    see channel_to.
+
+    Raises:
+        ValueError: the address is not host:port.
+        CommContextError: as for channel_to.
+    """
+    channel = channel_to(host_port(*split_address(server_addr)), tls, token)
     return channel, pb_grpc.RendezvousStub(channel)

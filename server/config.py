@@ -85,6 +85,7 @@ SETTINGS = (
     Setting("log_format", _choice("plain", "json"), "plain", "one line per event, as key=value text or JSON"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
     Setting("tls_key", str, "", "PEM private key of --tls-cert"),
+    Setting("auth_tokens", str, "", "file of bearer tokens, one per line ('TOKEN' or 'TOKEN admin'); every call but health then needs one; re-read on SIGHUP"),
     Setting("tls_client_ca", str, "", "PEM CA bundle: require client certificates it signed (mutual TLS; needs --tls-cert)"),
 )
 
@@ -104,6 +105,7 @@ class Config:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    auth_tokens: str = ""
 
 
 def parser(prog: str = "commctx-server") -> argparse.ArgumentParser:

@@ -40,3 +40,7 @@ class WaitTimeout(RendezvousError):
 
 class Unavailable(RendezvousError):
     """The server is shutting down and accepts no new work."""
+
+
+class Unauthenticated(RendezvousError):
+    """The call carries no token, or one the server does not know."""

@@ -24,6 +24,7 @@ from .config import Config, from_env
 from .rendezvous.sqlite import SqliteStore
 from .rendezvous.store import StoreError
 from .rpc.app import ServerTls, start_server
+from .rpc.auth import Callers
 from .telemetry import configure_logging
 
 log = logging.getLogger("commctx.server")
@@ -49,12 +50,22 @@ def read_tls(config: Config) -> ServerTls | None:
                      read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
 
 
-async def serve(config: Config) -> int:
-    tls = read_tls(config)
+def reload_tokens(callers: Callers) -> None:
+    """SIGHUP: re-reads the token file; a file that no longer parses changes nothing."""
+    try:
+        callers.reload()
+    except (OSError, ValueError) as exc:
+        log.error("tokens_not_reloaded", extra={"fields": {"reason": str(exc)}})
+        return
+    log.info("tokens_reloaded", extra={"fields": {"tokens": len(callers)}})
+
+
+async def serve(config: Config, tls: ServerTls | None = None, callers: Callers | None = None) -> int:
     store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
         config.host, config.port, lease_ttl_s=config.lease_ttl_s,
         health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True, tls=tls,
+        callers=callers,
     )
     print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
     if server.health_port is not None:
@@ -65,6 +76,8 @@ async def serve(config: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if callers is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_tokens, callers)
     signalled, deposed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.deposed.wait())
     await asyncio.wait([signalled, deposed], return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
@@ -86,8 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     prometheus_client.disable_created_metrics()  # no *_created series beside each counter
     gc.freeze()  # what start-up made lives as long as the process: never scan it
     try:
-        return asyncio.run(serve(config))
-    except (StoreError, OSError) as exc:
+        tls = read_tls(config)
+        callers = Callers(os.path.expanduser(config.auth_tokens)) if config.auth_tokens else None
+    except (OSError, ValueError) as exc:  # one line naming the file; no traceback
+        print(f"commctx-server: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(serve(config, tls, callers))
+    except StoreError as exc:
         print(f"commctx-server: {exc}", file=sys.stderr)
         return 1
 

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 import prometheus_client
@@ -26,6 +26,7 @@ from ..rendezvous.model import Stats
 from ..rendezvous.store import Fenced, NullStore, Store
 from ..gc_pacer import GcPacer
 from ..telemetry import Telemetry, event
+from .auth import Callers, TokenInterceptor
 from .servicer import RendezvousServicer
 
 log = logging.getLogger("commctx.server")
@@ -94,8 +95,9 @@ class RendezvousServer:
         self.deposed.set()
 
 
-def _grpc_server() -> grpc.aio.Server:
+def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     return grpc.aio.server(
+        interceptors=list(interceptors),
         options=[
             ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
             # Clients ping every 30 s while a Join waits; allow it.
@@ -141,6 +143,7 @@ async def start_server(
     clock: Callable[[], float] = time.monotonic,
     pace_gc: bool = False,
     tls: ServerTls | None = None,
+    callers: Callers | None = None,
 ) -> RendezvousServer:
     """Starts a rendezvous server on host:port (port 0: any free port).
 
@@ -156,6 +159,7 @@ async def start_server(
             (gc_pacer.py); changes the whole process, so for a dedicated server.
         tls: serve the main port over TLS only (mutual TLS with a client CA);
             the health-only port stays plaintext for probes.
+        callers: require one of these bearer tokens on every call but health.
 
     Raises:
         RuntimeError: an address could not be bound.
@@ -185,7 +189,7 @@ async def start_server(
     out.executor.submit(actions)
     out.servicer = RendezvousServicer(machine, out.executor, waiters, out.telemetry.rpc_error)
 
-    server = _grpc_server()
+    server = _grpc_server([TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else [])
     pb_grpc.add_RendezvousServicer_to_server(out.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

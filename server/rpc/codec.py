@@ -24,6 +24,7 @@ from ..errors import (
     NotFound,
     RendezvousError,
     StaleGeneration,
+    Unauthenticated,
     Unavailable,
     WaitTimeout,
 )
@@ -45,6 +46,7 @@ STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
     NotFound: (grpc.StatusCode.NOT_FOUND, pb.MEMBER_NOT_FOUND),
     WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, pb.RENDEZVOUS_TIMEOUT),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, pb.SERVER_UNAVAILABLE),
+    Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
 }
 
 _STATE = {

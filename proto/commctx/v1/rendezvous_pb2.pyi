@@ -18,6 +18,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMBER_NOT_FOUND: _ClassVar[ErrorReason]
     RENDEZVOUS_TIMEOUT: _ClassVar[ErrorReason]
     SERVER_UNAVAILABLE: _ClassVar[ErrorReason]
+    UNAUTHENTICATED_CALLER: _ClassVar[ErrorReason]
 
 class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +33,7 @@ JOB_FULL: ErrorReason
 MEMBER_NOT_FOUND: ErrorReason
 RENDEZVOUS_TIMEOUT: ErrorReason
 SERVER_UNAVAILABLE: ErrorReason
+UNAUTHENTICATED_CALLER: ErrorReason
 SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 
