@@ -27,8 +27,8 @@ from harness import pin_load_generator, server, tune_gc
 
 
 class Member:
-    def __init__(self, stub, job: str, member_id: str, ttl: float) -> None:
-        self.stub, self.job, self.member_id, self.ttl = stub, job, member_id, ttl
+    def __init__(self, stub, job: str, member_id: str, secret: str, ttl: float) -> None:
+        self.stub, self.job, self.member_id, self.secret, self.ttl = stub, job, member_id, secret, ttl
         self.generation = 1
         self.spare_port = 40000
         self.changed_at = self.assigned_at = None
@@ -54,7 +54,8 @@ class Member:
         reader.cancel()
 
     def _request(self) -> pb.SessionRequest:
-        return pb.SessionRequest(job_id=self.job, member_id=self.member_id, generation=self.generation, spare_port=self.spare_port)
+        return pb.SessionRequest(job_id=self.job, member_id=self.member_id, member_secret=self.secret, generation=self.generation,
+                                 spare_port=self.spare_port)
 
     async def _read(self) -> None:
         async for event in self.call:
@@ -76,7 +77,7 @@ async def main_async(n: int, ttl: float) -> None:
                                          master_port=20000 + i, wait_timeout_ms=120_000))
                 for i in range(n)
             ))
-            members = [Member(stub, "failover", r.member_id, ttl) for r in joined]
+            members = [Member(stub, "failover", r.member_id, r.member_secret, ttl) for r in joined]
             tasks = [asyncio.ensure_future(m.run(ttl / 3 * i / n)) for i, m in enumerate(members)]
             await asyncio.sleep(ttl / 3 + 1)  # everyone has renewed at least once
             victim = members[n // 2]

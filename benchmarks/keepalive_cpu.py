@@ -25,9 +25,9 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from harness import cpu_s, memory_kib, pin_load_generator, server, tune_gc
 
 
-async def member(stub, job: str, member_id: str, ttl: float, delay: float, renewals: list[int], stop: asyncio.Event) -> None:
+async def member(stub, job: str, member_id: str, secret: str, ttl: float, delay: float, renewals: list[int], stop: asyncio.Event) -> None:
     call = stub.Session()
-    request = pb.SessionRequest(job_id=job, member_id=member_id, generation=1)
+    request = pb.SessionRequest(job_id=job, member_id=member_id, member_secret=secret, generation=1)
     await call.write(request)
     await call.read()  # the lease
     await asyncio.sleep(delay)  # spread renewals over the period
@@ -52,7 +52,7 @@ async def main_async(n: int, ttl: float, seconds: float) -> None:
             ))
             before_sessions = memory_kib(proc.pid)["VmRSS"]
             stop, renewals = asyncio.Event(), [0]
-            tasks = [asyncio.ensure_future(member(stub, "ka", r.member_id, ttl, ttl / 3 * i / n, renewals, stop))
+            tasks = [asyncio.ensure_future(member(stub, "ka", r.member_id, r.member_secret, ttl, ttl / 3 * i / n, renewals, stop))
                      for i, r in enumerate(joined)]
             await asyncio.sleep(ttl / 3 + 2)  # all open, renewals spread out
             with_sessions = memory_kib(proc.pid)["VmRSS"]

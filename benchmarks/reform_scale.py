@@ -43,8 +43,8 @@ JOB = "reform"
 
 
 class Member:
-    def __init__(self, stub, member_id: str, rank: int, spare: int, ttl: float) -> None:
-        self.stub, self.member_id, self.rank, self.spare, self.ttl = stub, member_id, rank, spare, ttl
+    def __init__(self, stub, member_id: str, secret: str, rank: int, spare: int, ttl: float) -> None:
+        self.stub, self.member_id, self.secret, self.rank, self.spare, self.ttl = stub, member_id, secret, rank, spare, ttl
         self.generation = 1
         self.call = None
         self.lock = asyncio.Lock()  # one write at a time on a stream
@@ -55,7 +55,7 @@ class Member:
 
     async def send(self) -> None:
         async with self.lock:
-            await self.call.write(pb.SessionRequest(job_id=JOB, member_id=self.member_id, generation=self.generation,
+            await self.call.write(pb.SessionRequest(job_id=JOB, member_id=self.member_id, member_secret=self.secret, generation=self.generation,
                                                     spare_port=self.spare))
         self.last_renewal = time.monotonic()
 
@@ -110,7 +110,7 @@ async def _load(address: str, first: int, count: int, total: int, ttl: float, ch
     requests = [pb.JoinRequest(job_id=JOB, spec=spec, node_key=f"node{(first + i) // 8}", address="127.0.0.1",
                                master_port=20000 + (first + i) % 40000, wait_timeout_ms=600_000) for i in range(count)]
     joined = await asyncio.gather(*(stubs[i % channels].Join(r) for i, r in enumerate(requests)))
-    members = [Member(stubs[i % channels], r.member_id, r.assignment.rank,
+    members = [Member(stubs[i % channels], r.member_id, r.member_secret, r.assignment.rank,
                       50000 + (first + i) % 10000 if r.assignment.rank == 0 else requests[i].master_port, ttl)
                for i, r in enumerate(joined)]
     conn.send("joined")

@@ -59,6 +59,7 @@ class Session:
         self.server_addr = server_addr
         self._channel, self._stub = open_channel(server_addr, tls, token)
         self.member_id = os.urandom(16).hex()
+        self._secret = os.urandom(16).hex()  # the membership's credential: sent, never logged
         self.assignment: Assignment | None = None
         self.lease_error: RendezvousError | None = None  # set when the server says the member is gone
         self._job_id = ""
@@ -91,6 +92,7 @@ class Session:
                 not be reached.
         """
         request.member_id = self.member_id
+        request.member_secret = self._secret
         self._job_id = request.job_id
         self._spare_port = request.master_port
         deadline = time.monotonic() + timeout_s
@@ -127,7 +129,8 @@ class Session:
         while True:
             with self._lock:
                 message = pb.SessionRequest(
-                    job_id=self._job_id, member_id=self.member_id, generation=self._generation, spare_port=self._spare_port
+                    job_id=self._job_id, member_id=self.member_id, generation=self._generation, spare_port=self._spare_port,
+                    member_secret=self._secret,
                 )
             yield message
             try:  # the next renewal after TTL/3, or at once for a new spare port or to stop
@@ -257,7 +260,8 @@ class Session:
             self._thread.join(timeout=10.0)
         if leave and self.assignment is not None:
             try:
-                self._stub.Leave(pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id), timeout=leave_timeout_s)
+                self._stub.Leave(pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret),
+                                 timeout=leave_timeout_s)
             except grpc.RpcError as exc:
                 log.debug("leave failed: %s", error_from_rpc(exc))
         self._channel.close()

@@ -205,7 +205,7 @@ def test_metrics_and_json_logs():
             a = a.result()
             with pytest.raises(grpc.RpcError):
                 stub.Join(join_request("", 1))
-            stub.Leave(pb.LeaveRequest(job_id="m", member_id=a.member_id))
+            stub.Leave(pb.LeaveRequest(job_id="m", member_id=a.member_id, member_secret=a.member_secret))
             before = scrape(server.metrics_url)
             assert before["commctx_joins_total"] == 2
             assert before["commctx_worlds_formed_total"] == 1

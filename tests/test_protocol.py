@@ -230,24 +230,53 @@ async def test_cancelled_waiter_is_withdrawn_and_nothing_leaks(stub, server):
 
 async def test_keepalive_leave_and_unknown_members(stub):
     responses = await asyncio.gather(*(stub.Join(join_request("ka", 2, "n", i)) for i in range(2)))
-    m0, m1 = (r.member_id for r in responses)
-    ok = await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, generation=1))
+    (m0, s0), (m1, s1) = ((r.member_id, r.member_secret) for r in responses)
+    assert len(s0) == 32 and s0 != s1  # picked by the server: these requests carried none
+    ok = await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, member_secret=s0, generation=1))
     assert (ok.lease_ttl_ms, ok.generation) == (5000, 1)
 
     err = await expect_error(
-        stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, generation=7)),
+        stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, member_secret=s0, generation=7)),
         Code.FAILED_PRECONDITION, "holds generation 7 but the current generation is 1",
     )
     assert error_info(err) == ("STALE_GENERATION", "commctx")
-    await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id="abcdef", generation=1)), Code.NOT_FOUND, "member 'abcdef' is not in job 'ka'")
+    unknown = f"member 'abcdef' is not in job 'ka' (it left, its lease expired, or it never joined); join again"
+    await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id="abcdef", generation=1)), Code.NOT_FOUND, unknown)
     await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="nope", member_id=m0)), Code.NOT_FOUND, "no job 'nope'")
+    # A member id without its secret is worth nothing: the answer is the one an unknown member gets.
+    for secret in ("", s1, "x" * 40):
+        for call in (stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m0, member_secret=secret, generation=1)),
+                     stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0, member_secret=secret))):
+            err = await expect_error(call, Code.NOT_FOUND, unknown.replace("abcdef", m0))
+            assert secret not in err.details() or not secret
+    session = stub.Session()
+    await session.write(pb.SessionRequest(job_id="ka", member_id=m0, member_secret=s1, generation=1))
+    assert (await session.read()).gone == unknown.replace("abcdef", m0)
+    assert (await stub.DescribeJob(pb.DescribeJobRequest(job_id="ka"))).joined == 2  # nobody left
 
-    await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0))
-    await expect_error(stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0)), Code.NOT_FOUND, m0)
+    await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0, member_secret=s0))
+    await expect_error(stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0, member_secret=s0)), Code.NOT_FOUND, m0)
     # the other member is untouched
-    assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, generation=1))).generation == 1
-    await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m1))
+    assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, member_secret=s1, generation=1))).generation == 1
+    await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m1, member_secret=s1))
     await expect_error(stub.DescribeJob(pb.DescribeJobRequest(job_id="ka")), Code.NOT_FOUND, "no job 'ka'")
+
+
+async def test_a_client_secret_binds_its_member_id(stub):
+    mid, secret = "ab" * 16, "5e" * 16
+    first = join_request("bind", 2, "n", 0, member_id=mid, member_secret=secret)
+    call = stub.Join(first)
+    await eventually(lambda: _joined(stub, "bind", 1), what="the first worker is waiting")
+    # Someone who learned the member id cannot re-attach to it without the secret...
+    err = await expect_error(stub.Join(join_request("bind", 2, "n", 0, member_id=mid, member_secret="77" * 16)),
+                             Code.FAILED_PRECONDITION, "joined before with another member_secret")
+    assert secret not in err.details()
+    await expect_error(stub.Join(join_request("bind", 2, "n", 0, member_id=mid, member_secret="short")),
+                       Code.INVALID_ARGUMENT, "member_secret is malformed (5 characters)")
+    # The worker itself is undisturbed, and its answer returns its own secret.
+    other = await stub.Join(join_request("bind", 2, "m", 1))
+    a = await call
+    assert (a.member_id, a.member_secret) == (mid, secret) and other.member_secret != secret
 
 
 async def test_describe_a_forming_and_a_formed_job(stub):
@@ -275,7 +304,7 @@ async def test_server_survives_bad_input_and_keeps_serving(stub):
     results = await asyncio.gather(*(stub.Join(r) for r in bad), return_exceptions=True)
     assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() != Code.UNKNOWN for r in results)
     for r in held:
-        assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="keep", member_id=r.member_id, generation=1))).generation == 1
+        assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="keep", member_id=r.member_id, member_secret=r.member_secret, generation=1))).generation == 1
     ok = await stub.Join(join_request("after", 1))
     assert ok.assignment.world_size == 1 and ok.assignment.rank == 0
 
@@ -381,7 +410,7 @@ async def test_a_joiner_grows_the_world_with_one_message_per_survivor(stub):
     assert (a.assignment.generation, a.assignment.world_size, a.assignment.master_port) == (1, 1, 1111)  # formed alone
     session = stub.Session()
     # Rank 0's first spare (1111) now serves its store: it offers another.
-    await session.write(pb.SessionRequest(job_id="grow", member_id=a.member_id, generation=1, spare_port=3333))
+    await session.write(pb.SessionRequest(job_id="grow", member_id=a.member_id, member_secret=a.member_secret, generation=1, spare_port=3333))
     assert (await next_event(session)).lease_ttl_ms == 5000
     b_call = asyncio.ensure_future(stub.Join(grow_request("grow", "n1", 2222)))
     pushed = (await next_event(session)).assignment  # the news and the new world in one message
@@ -400,7 +429,7 @@ async def test_a_joiner_grows_the_world_with_one_message_per_survivor(stub):
 async def test_a_rank_0_without_a_spare_port_is_told_and_awaited(stub):
     a = await stub.Join(grow_request("await", "n0", 1111))
     session = stub.Session()
-    await session.write(pb.SessionRequest(job_id="await", member_id=a.member_id, generation=1))  # offers no spare
+    await session.write(pb.SessionRequest(job_id="await", member_id=a.member_id, member_secret=a.member_secret, generation=1))  # offers no spare
     await next_event(session)
     b_call = asyncio.ensure_future(stub.Join(grow_request("await", "n1", 2222)))
     change = (await next_event(session)).world_changed
@@ -408,7 +437,7 @@ async def test_a_rank_0_without_a_spare_port_is_told_and_awaited(stub):
     d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="await"))
     assert (d.state, d.not_ready, d.joined) == (pb.JobDescription.FORMING, 1, 2)
     assert "1 survivors not heard from since the change are awaited" in d.reason
-    await session.write(pb.SessionRequest(job_id="await", member_id=a.member_id, generation=1, spare_port=4444))
+    await session.write(pb.SessionRequest(job_id="await", member_id=a.member_id, member_secret=a.member_secret, generation=1, spare_port=4444))
     pushed = (await next_event(session)).assignment
     assert (pushed.generation, pushed.master_port) == (2, 4444) and (await b_call).assignment.master_port == 4444
     session.cancel()
@@ -417,14 +446,14 @@ async def test_a_rank_0_without_a_spare_port_is_told_and_awaited(stub):
 async def test_a_reconnecting_session_catches_up(stub):
     a = await stub.Join(grow_request("catch", "n0", 1111))
     first = stub.Session()
-    await first.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, generation=1, spare_port=4444))
+    await first.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, member_secret=a.member_secret, generation=1, spare_port=4444))
     await next_event(first)
     first.cancel()
     await eventually(lambda: _joined(stub, "catch", 1))
     b = await stub.Join(grow_request("catch", "n1", 2222))  # the world grows while a has no session
     assert (b.assignment.generation, b.assignment.master_port) == (2, 4444)
     session = stub.Session()
-    await session.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, generation=1))
+    await session.write(pb.SessionRequest(job_id="catch", member_id=a.member_id, member_secret=a.member_secret, generation=1))
     assert (await next_event(session)).HasField("lease_ttl_ms")
     missed = (await next_event(session)).assignment  # replayed on connect
     assert (missed.generation, missed.rank, missed.world_size, missed.previous_rank) == (2, 0, 2, 0)
@@ -446,13 +475,13 @@ async def test_a_member_that_stops_renewing_expires_and_survivors_are_told():
             if a.assignment.rank != 0:
                 a, b = b, a
             session = stub.Session()
-            await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1, spare_port=5555))
+            await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, member_secret=a.member_secret, generation=1, spare_port=5555))
             await next_event(session)
 
             async def renew():
                 while True:
                     await asyncio.sleep(0.1)
-                    await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, generation=1))
+                    await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, member_secret=a.member_secret, generation=1))
 
             renewer = asyncio.ensure_future(renew())
             alone = (await next_event(session)).assignment  # b never renews; a alone is fresh: one message

@@ -9,9 +9,10 @@ import sqlite3
 
 import pytest
 
+from commctx.server.errors import NotFound
 from commctx.server.planning import JobSpec, SeatedNode, Seating
 from commctx.server.rendezvous.machine import Rendezvous
-from commctx.server.rendezvous.model import JobState
+from commctx.server.rendezvous.model import JobState, JoinParams, secret_digest
 from commctx.server.rendezvous.sqlite import SqliteStore
 from commctx.server.rendezvous.store import (
     DeleteJob,
@@ -57,7 +58,7 @@ WORLD = Seating((SeatedNode("a", "10.0.0.1", ("m1", "m2")),), ("t", "r"), "10.0.
 
 
 def member(mid: str, seq: int, port: int = 0) -> MemberRecord:
-    return MemberRecord(mid, seq, "a", "10.0.0.1", port or 5000 + seq, None if seq % 2 else 1, None, "t")
+    return MemberRecord(mid, seq, "a", "10.0.0.1", port or 5000 + seq, None if seq % 2 else 1, None, "t", secret_digest(f"{seq:032x}"))
 
 
 def test_roundtrip(make_store):
@@ -130,7 +131,7 @@ def v1_database(tmp_path: pathlib.Path) -> pathlib.Path:
 def test_a_first_release_database_is_migrated(tmp_path):
     directory = v1_database(tmp_path)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 2  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
     restored, _ = machine.restore(store.load(), grace_s=10)
     assert restored == 4
@@ -158,9 +159,37 @@ def test_a_first_release_database_is_migrated(tmp_path):
     members = {m.member_id: m for j in store.load() for m in j.members}
     assert members["0000000000000004"].port == 0 and members["0000000000000005"].port == 32001
     store.close()
-    again = SqliteStore(directory)  # opened again: version 2 already, read as is
+    again = SqliteStore(directory)  # opened again: version 3 already, read as is
     assert [(j.job_id, j.generation) for j in again.load()] == [("failed", 0), ("forming", 0), ("grow", 2), ("rl", 1)]
     again.close()
+
+
+def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(tmp_path):
+    directory = tmp_path / "v2"
+    directory.mkdir()
+    db = sqlite3.connect(directory / "commctx.sqlite3")
+    db.executescript((DATA / "state-v2.sql").read_text())  # dumped from this repository's schema-2 code
+    db.close()
+    store = SqliteStore(directory)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3  # noqa: SLF001
+    machine = Rendezvous(lease_ttl_s=10)
+    assert machine.restore(store.load(), grace_s=10)[0] == 2
+    assert dict(machine.world_of("pair").plan.ranks) == {"00000000000000a1": 0, "00000000000000a2": 1}
+    # Members of schema 2 hold no secret: they renew as before (their clients never had one).
+    assert machine.keep_alive("pair", "00000000000000a2", 1, secret="")[1] == 1
+    # A member that joins now is bound to its secret, also across a restart.
+    joined, actions, _ = machine.join(JoinParams.build(job_id="waiting", spec=JobSpec.build(2), node_key="n8",
+                                                       address="10.0.1.8", port=29700, member_secret="ab" * 16))
+    store.commit(actions.writes, store.take_over())
+    store.close()
+    again = Rendezvous(lease_ttl_s=10)
+    reopened = SqliteStore(directory)
+    again.restore(reopened.load(), grace_s=10)
+    reopened.close()
+    assert again.world_of("waiting") is not None
+    with pytest.raises(NotFound, match=f"member '{joined.member_id}' is not in job 'waiting'"):
+        again.keep_alive("waiting", joined.member_id, 1, secret="cd" * 16)
+    assert again.keep_alive("waiting", joined.member_id, 1, secret="ab" * 16)[1] == 1
 
 
 def test_unusable_state_is_one_error_naming_the_path(tmp_path):
@@ -178,5 +207,5 @@ def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     db = sqlite3.connect(future / "commctx.sqlite3")
     db.execute("PRAGMA user_version = 9")
     db.close()
-    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 2"):
+    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 3"):
         SqliteStore(future)

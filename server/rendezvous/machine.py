@@ -68,6 +68,7 @@ from .model import (
     Stats,
     WaitOutcome,
     WorldChange,
+    secret_matches,
 )
 from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutJob, PutMember, Write
 
@@ -212,6 +213,9 @@ class Rendezvous:
             p.node_key, p.address, p.local_rank, p.node_rank, p.role)
         if not same or job.spec != p.spec:
             raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with other parameters")
+        if member.secret != p.secret:
+            raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with another member_secret; "
+                           f"re-attach with the same one, or join with a new member_id")
         actions = Actions()
         joined = Joined(job.job_id, p.member_id, self.lease_ttl_s, len(job.members))
         if job.in_world(p.member_id):
@@ -433,17 +437,18 @@ class Rendezvous:
     # -- sessions, leases and leaving --------------------------------------------
 
     def open_session(self, job_id: str, member_id: str, generation: int, sink: object,
-                     spare_port: int = 0) -> tuple[float, list[SessionEvent], Actions]:
-        """Attaches a session sink to a member and renews its lease.
+                     spare_port: int = 0, secret: str | None = None) -> tuple[float, list[SessionEvent], Actions]:
+        """Attaches a session sink to a member and renews its lease. `secret`
+        must be the member's (None: not checked; the RPC edge always checks).
 
         Returns:
             The lease TTL, the events the member missed (to send first), and actions.
 
         Raises:
-            NotFound: unknown job or member.
+            NotFound: unknown job or member, or not its secret.
         """
         job = self._job(job_id)
-        member = self._member(job, member_id)
+        member = self._member(job, member_id, secret)
         missed: list[SessionEvent] = []
         if job.in_world(member_id):
             if job.state is JobState.FORMED and generation < job.generation:
@@ -487,18 +492,18 @@ class Rendezvous:
             self._maybe_form(job, actions)
         return job.generation, actions
 
-    def keep_alive(self, job_id: str, member_id: str, generation: int) -> tuple[float, int, Actions]:
-        """Renews a member's lease (the unary form).
+    def keep_alive(self, job_id: str, member_id: str, generation: int, secret: str | None = None) -> tuple[float, int, Actions]:
+        """Renews a member's lease (the unary form), given its secret (None: not checked).
 
         Returns:
             (lease ttl in seconds, the job's current generation, actions).
 
         Raises:
-            NotFound: unknown job or member.
+            NotFound: unknown job or member, or not its secret.
             StaleGeneration: `generation` is neither 0 nor the job's current one.
         """
         job = self._job(job_id)
-        self._member(job, member_id)
+        self._member(job, member_id, secret)
         if generation and generation != job.generation:
             raise StaleGeneration(
                 f"member {member_id} of job {job_id!r} holds generation {generation} but the "
@@ -507,14 +512,14 @@ class Rendezvous:
         current, actions = self.renew(job_id, member_id, generation)
         return self.lease_ttl_s, current, actions
 
-    def leave(self, job_id: str, member_id: str) -> Actions:
-        """Removes a member.
+    def leave(self, job_id: str, member_id: str, secret: str | None = None) -> Actions:
+        """Removes a member, given its secret (None: not checked).
 
         Raises:
-            NotFound: unknown job or member.
+            NotFound: unknown job or member, or not its secret.
         """
         job = self._job(job_id)
-        self._member(job, member_id)
+        self._member(job, member_id, secret)
         actions = Actions()
         self._remove(job, member_id, "left", actions)
         return actions
@@ -636,7 +641,8 @@ class Rendezvous:
             if record.world is not None:
                 job.plan = build_plan(record.world, spec.at_size(record.world.world_size))
             for mr in record.members:
-                p = JoinParams(job.job_id, spec, mr.node_key, mr.address, mr.port, mr.local_rank, mr.node_rank, False, mr.role)
+                p = JoinParams(job.job_id, spec, mr.node_key, mr.address, mr.port, mr.local_rank, mr.node_rank, False, mr.role,
+                               mr.member_id, mr.secret)
                 m = self._add_member(job, mr.member_id, p, mr.seq)
                 placed = job.in_world(mr.member_id)
                 job.placed += placed
@@ -738,9 +744,12 @@ class Rendezvous:
         return job
 
     @staticmethod
-    def _member(job: Job, member_id: str) -> Member:
+    def _member(job: Job, member_id: str, secret: str | None = None) -> Member:
+        """The member, if `secret` is its secret (None: not asked, a call on
+        an already authenticated session). A wrong secret gets the answer an
+        unknown member gets."""
         member = job.members.get(member_id)
-        if member is None:
+        if member is None or (secret is not None and not secret_matches(member.secret, secret)):
             raise NotFound(
                 f"member {elide(member_id)} is not in job {job.job_id!r} (it left, its lease expired, "
                 f"or it never joined); join again"
@@ -754,4 +763,4 @@ class Rendezvous:
 
 
 def _member_record(member_id: str, m: Member) -> MemberRecord:
-    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role)
+    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role, m.secret)

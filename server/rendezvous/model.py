@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
 import math
 import re
 from collections.abc import Mapping
@@ -19,6 +21,7 @@ from ..planning import NODE_KEY, Candidate, JobSpec, Placement, WorldPlan, check
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
 CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
+MEMBER_SECRET = re.compile(r"[0-9a-f]{32,128}")
 
 
 def check_job_id(value: str) -> str:
@@ -35,6 +38,24 @@ def check_member_id(value: str) -> str:
     return check_name("member_id", value, MEMBER_ID, "a member id is the hex string Join returned")
 
 
+def secret_digest(secret: str) -> str:
+    """The SHA-256 digest (hex) under which a member secret is kept.
+
+    Raises:
+        InvalidArgument: the secret is malformed (the message never echoes it).
+    """
+    if not MEMBER_SECRET.fullmatch(secret):
+        raise InvalidArgument(f"member_secret is malformed ({len(secret)} characters): give 32-128 lowercase hex digits")
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def secret_matches(digest: str, secret: str) -> bool:
+    """Whether `secret` is the one kept as `digest` ("" keeps none: any matches), in constant time."""
+    if not digest:
+        return True
+    return MEMBER_SECRET.fullmatch(secret) is not None and hmac.compare_digest(digest, secret_digest(secret))
+
+
 class JoinParams(NamedTuple):
     """A validated join request. Build with `JoinParams.build`."""
 
@@ -48,10 +69,11 @@ class JoinParams(NamedTuple):
     loopback: bool = False  # whether `address` is a loopback address
     role: str = ""
     member_id: str = ""  # client-chosen, to re-attach; empty: the server picks
+    secret: str = ""  # digest of the member secret ("": none, as for members of schema 2)
 
     @classmethod
     def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
-              node_rank: int | None = None, role: str = "", member_id: str = "") -> JoinParams:
+              node_rank: int | None = None, role: str = "", member_id: str = "", member_secret: str = "") -> JoinParams:
         """Validates a join request.
 
         Raises:
@@ -77,7 +99,8 @@ class JoinParams(NamedTuple):
             raise InvalidArgument(f"node_rank {node_rank} is not below world_size {spec.world_size}")
         if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
             raise InvalidArgument(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
-        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id)
+        secret = secret_digest(member_secret) if member_secret else ""
+        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret)
 
 
 class JobState(enum.Enum):
@@ -185,7 +208,7 @@ class Note(NamedTuple):
 class Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
-    __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease_deadline", "session")
+    __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease_deadline", "session", "secret")
 
     def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
         self.node_key = node.key
@@ -197,6 +220,7 @@ class Member:
         self.seq = seq  # join order, kept across restarts
         self.lease_deadline = math.inf  # bound to its Join call until placed
         self.session: Any = None  # the open session's sink (the executor puts events in it)
+        self.secret = p.secret  # digest of its secret ("": none)
 
     def candidate(self, member_id: str, seat: tuple[int, int] | None = None) -> Candidate:
         """This member as the planner sees it; `seat` is its (node rank, local rank) in the world being replaced."""

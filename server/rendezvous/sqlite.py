@@ -1,9 +1,10 @@
 """The SQLite store: one file under the state directory, in WAL mode.
 
-Schema version 2 (`PRAGMA user_version`), named columns throughout; specs and
-seatings are JSON objects with named fields (store.py). Version 1 (the first
-release's file: the spec as the wire message's bytes, worlds as positional
-JSON tuples) is migrated in place when opened.
+Schema version 3 (`PRAGMA user_version`), named columns throughout; specs and
+seatings are JSON objects with named fields (store.py); members keep the
+SHA-256 digest of their secret. Older files are migrated in place when
+opened: version 2 (no member secrets) and version 1 (the first release's: the
+spec as the wire message's bytes, worlds as positional JSON tuples).
 
 Fencing: the `writer` table holds the current epoch. `take_over` increments
 it; every commit runs as `BEGIN IMMEDIATE` (SQLite's write lock), checks the
@@ -43,7 +44,7 @@ from .store import (
     spec_json,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FILE_NAME = "commctx.sqlite3"
 
 _SCHEMA = """
@@ -56,13 +57,14 @@ _SCHEMA = """
         job_id TEXT NOT NULL, member_id TEXT NOT NULL, seq INTEGER NOT NULL,
         node_key TEXT NOT NULL, address TEXT NOT NULL, port INTEGER NOT NULL,
         local_rank INTEGER, node_rank INTEGER, role TEXT NOT NULL,
+        secret TEXT NOT NULL DEFAULT '',
         PRIMARY KEY (job_id, member_id));
 """
 
 _PUT_JOB = "INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world) VALUES (?, ?, ?, ?, ?, ?)"
 _PUT_MEMBER = (
-    "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _DELETE_MEMBER = "DELETE FROM members WHERE job_id = ? AND member_id = ?"
 
@@ -101,7 +103,9 @@ class SqliteStore(Store):
             raise StoreError(f"{self.path} has schema version {version}; this server reads up to {SCHEMA_VERSION}")
         db.execute("BEGIN IMMEDIATE")
         try:
-            if "jobs" in tables:
+            if version == 2:
+                _migrate_v2(db)
+            elif "jobs" in tables:
                 _migrate_v1(db)
             else:
                 for statement in _SCHEMA.split(";"):
@@ -147,7 +151,7 @@ class SqliteStore(Store):
             db = self._connection()
             members: dict[str, list[MemberRecord]] = {}
             rows = db.execute(
-                "SELECT job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role FROM members ORDER BY seq")
+                "SELECT job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret FROM members ORDER BY seq")
             for job_id, *fields in rows:
                 members.setdefault(job_id, []).append(MemberRecord(*fields))
             jobs = []
@@ -196,6 +200,12 @@ def _job_row(job: JobRecord) -> tuple:
     return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world)
 
 
+def _migrate_v2(db: sqlite3.Connection) -> None:
+    """Schema 2 -> 3, inside the caller's transaction: members gain the digest
+    of their secret; those of schema 2 have none ('') and renew without one."""
+    db.execute("ALTER TABLE members ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
+
+
 def _migrate_v1(db: sqlite3.Connection) -> None:
     """Schema 1 -> 2, inside the caller's transaction.
 
@@ -231,6 +241,6 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
         jobs.append(_job_row(JobRecord(job_id, spec, state, generation, reason, world)))
     db.executemany(_PUT_JOB, jobs)
     db.executemany(_PUT_MEMBER, [
-        (job_id, member_id, seq, node_key, address, 0 if (job_id, member_id) in consumed else port, local_rank, node_rank, role)
+        (job_id, member_id, seq, node_key, address, 0 if (job_id, member_id) in consumed else port, local_rank, node_rank, role, "")
         for job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role in old_members
     ])

@@ -46,6 +46,7 @@ class MemberRecord(NamedTuple):  # a NamedTuple: one is built per join
     local_rank: int | None
     node_rank: int | None
     role: str
+    secret: str = ""  # SHA-256 digest (hex) of the member secret; "": none (schema 2)
 
 
 class JobRecord(NamedTuple):

@@ -101,8 +101,8 @@ def spec_to_message(spec: JobSpec) -> pb.JobSpec:
 # -- requests --------------------------------------------------------------------------
 
 
-def join_params(r: pb.JoinRequest) -> JoinParams:
-    """Validates a JoinRequest.
+def join_params(r: pb.JoinRequest, member_secret: str) -> JoinParams:
+    """Validates a JoinRequest; `member_secret` is the request's, or one the server picked.
 
     Raises:
         InvalidArgument: naming the first bad field and its value.
@@ -113,7 +113,7 @@ def join_params(r: pb.JoinRequest) -> JoinParams:
         job_id=r.job_id, spec=spec, node_key=r.node_key, address=r.address, port=r.master_port,
         local_rank=r.local_rank if r.HasField("local_rank") else None,
         node_rank=r.node_rank if r.HasField("node_rank") else None,
-        role=r.role, member_id=r.member_id,
+        role=r.role, member_id=r.member_id, member_secret=member_secret,
     )
 
 
@@ -150,8 +150,8 @@ def fill_assignment(m: pb.Assignment, a: Assignment) -> None:
         m.reason = a.reason
 
 
-def join_response(member_id: str, lease_ttl_s: float, a: Assignment) -> pb.JoinResponse:
-    response = pb.JoinResponse(member_id=member_id, lease_ttl_ms=round(lease_ttl_s * 1000))
+def join_response(member_id: str, member_secret: str, lease_ttl_s: float, a: Assignment) -> pb.JoinResponse:
+    response = pb.JoinResponse(member_id=member_id, member_secret=member_secret, lease_ttl_ms=round(lease_ttl_s * 1000))
     fill_assignment(response.assignment, a)
     return response
 

@@ -5,6 +5,7 @@ executor, encode. No business logic lives here; every error leaves through
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -50,7 +51,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         try:
             if self.draining:
                 raise Unavailable("the server is shutting down; join another rendezvous server or retry")
-            params = codec.join_params(request)
+            secret = request.member_secret or os.urandom(16).hex()
+            params = codec.join_params(request, secret)
             joined, actions, placed = self._machine.join(params)
         except Exception as exc:
             await self._abort(context, "Join", exc)
@@ -71,7 +73,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             else:  # a re-attached member of a formed world: answer once that world is durable
                 await self._executor.settled()
                 world = placed
-            return codec.join_response(member_id, joined.lease_ttl_s, world.assignment_for(member_id))
+            return codec.join_response(member_id, secret, joined.lease_ttl_s, world.assignment_for(member_id))
         except TimeoutError:
             error = WaitTimeout(f"job {job_id!r} did not form within {timeout:g} s: {self._why_waiting(job_id)}")
         except Exception as exc:
@@ -98,7 +100,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         sink: asyncio.Queue = asyncio.Queue()
         try:
             job_id, member_id = check_job_id(first.job_id), check_member_id(first.member_id)
-            ttl, missed, actions = self._machine.open_session(job_id, member_id, first.generation, sink, first.spare_port)
+            ttl, missed, actions = self._machine.open_session(job_id, member_id, first.generation, sink, first.spare_port,
+                                                              first.member_secret)
         except NotFound as exc:  # a renewal for an unknown member: "gone, re-join", not an error
             await context.write(pb.SessionEvent(gone=str(exc)))
             return
@@ -141,7 +144,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         def renew() -> pb.KeepAliveResponse:
             ttl, generation, actions = self._machine.keep_alive(
-                check_job_id(request.job_id), check_member_id(request.member_id), request.generation)
+                check_job_id(request.job_id), check_member_id(request.member_id), request.generation, request.member_secret)
             self._executor.submit(actions)
             return pb.KeepAliveResponse(lease_ttl_ms=round(ttl * 1000), generation=generation)
 
@@ -149,7 +152,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         try:
-            actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id))
+            actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id), request.member_secret)
             await self._executor.carry_out(actions)  # answered once the departure is durable
         except Exception as exc:
             await self._abort(context, "Leave", exc)

@@ -132,7 +132,7 @@ class RankList(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id")
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class JoinRequest(_message.Message):
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     node_key: str
@@ -153,17 +154,20 @@ class JoinRequest(_message.Message):
     wait_timeout_ms: int
     role: str
     member_id: str
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("member_id", "lease_ttl_ms", "assignment")
+    __slots__ = ("member_id", "lease_ttl_ms", "assignment", "member_secret")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     lease_ttl_ms: int
     assignment: Assignment
-    def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason")
@@ -232,16 +236,18 @@ class RankRun(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "spare_port")
+    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SPARE_PORT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
     spare_port: int
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone")
@@ -264,14 +270,16 @@ class WorldChange(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation")
+    __slots__ = ("job_id", "member_id", "generation", "member_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "generation")
@@ -282,12 +290,14 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job_id", "member_id")
+    __slots__ = ("job_id", "member_id", "member_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
