@@ -240,7 +240,7 @@ async def test_keepalive_leave_and_unknown_members(stub):
         Code.FAILED_PRECONDITION, "holds generation 7 but the current generation is 1",
     )
     assert error_info(err) == ("STALE_GENERATION", "commctx")
-    unknown = f"member 'abcdef' is not in job 'ka' (it left, its lease expired, or it never joined); join again"
+    unknown = "member 'abcdef' is not in job 'ka' (it left, its lease expired, or it never joined); join again"
     await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id="abcdef", generation=1)), Code.NOT_FOUND, unknown)
     await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="nope", member_id=m0)), Code.NOT_FOUND, "no job 'nope'")
     # A member id without its secret is worth nothing: the answer is the one an unknown member gets.
