@@ -24,6 +24,7 @@ from .errors import (
     RendezvousError,
     RendezvousTimeout,
     ServerUnavailable,
+    PermissionDenied,
     StaleGeneration,
     Unauthenticated,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousTimeout",
     "ServerUnavailable",
+    "PermissionDenied",
     "StaleGeneration",
     "Unauthenticated",
 ]

@@ -205,6 +205,7 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
                        description="Describes the jobs a rendezvous server holds (or one of them).")
     add_connection_arguments(p)
     p.add_argument("--job", help="describe this job in detail")
+    p.add_argument("--job-secret", default=None, help="the job's secret, if it is sealed (default COMMCTX_JOB_SECRET)")
     p.add_argument("--watch", action="store_true", help="repeat every --interval seconds until interrupted")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -259,7 +260,8 @@ def run_status(args: argparse.Namespace) -> int:
         while True:
             try:
                 if args.job:
-                    d = stub.DescribeJob(pb.DescribeJobRequest(job_id=args.job), timeout=5)
+                    secret = args.job_secret or os.environ.get("COMMCTX_JOB_SECRET", "")
+                    d = stub.DescribeJob(pb.DescribeJobRequest(job_id=args.job, job_secret=secret), timeout=5)
                     text = json_format.MessageToJson(d) if args.json else job_detail(d)
                 else:
                     jobs = stub.ListJobs(pb.ListJobsRequest(), timeout=5).jobs

@@ -86,6 +86,7 @@ class CommContext:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         token: str | None = None,
+        job_secret: str | None = None,
     ) -> CommContext:
         """Joins `job_id` on the rendezvous server and returns the ready context.
 
@@ -118,6 +119,9 @@ class CommContext:
                 COMMCTX_TLS_CERT, COMMCTX_TLS_KEY).
             token: The bearer token of a server started with --auth-tokens
                 (default: COMMCTX_TOKEN).
+            job_secret: Seals the job (the first worker's join) so that only
+                workers with the same secret can join or describe it
+                (default: COMMCTX_JOB_SECRET; neither: an open job).
 
         Raises:
             CommContextError: this process is already initialised, or a TLS
@@ -130,11 +134,12 @@ class CommContext:
             raise CommContextError("CommContext is already initialised in this process; call destroy() first")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
+        launcher = LauncherEnv.from_env()
         request = pb.JoinRequest(
             job_id=job_id, spec=job_spec_of(spec, world_size), role=role or "",
+            job_secret=job_secret or launcher.job_secret or "",
             node_key=node_key or socket.gethostname(), local_rank=local_rank, node_rank=node_rank,
         )
-        launcher = LauncherEnv.from_env()
         tls = tls_of(tls_ca, tls_cert, tls_key, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
         try:
             membership = ctx._membership = Membership.join(

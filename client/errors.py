@@ -74,5 +74,9 @@ class ServerUnavailable(RendezvousError):
     """UNAVAILABLE: the server cannot be reached or is shutting down."""
 
 
+class PermissionDenied(RendezvousError):
+    """PERMISSION_DENIED: the job is sealed and this call's job secret (job_secret= or COMMCTX_JOB_SECRET) is missing or wrong."""
+
+
 class Unauthenticated(RendezvousError):
     """UNAUTHENTICATED: the server requires a token (token= or COMMCTX_TOKEN) and got none it knows."""

@@ -54,6 +54,7 @@ class LauncherEnv:
     tls_cert: str | None = None
     tls_key: str | None = None
     token: str | None = None  # COMMCTX_TOKEN: the bearer token the server requires
+    job_secret: str | None = None  # COMMCTX_JOB_SECRET: seals the job (the first join) or opens it
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
@@ -86,6 +87,7 @@ class LauncherEnv:
             tls_cert=env.get("COMMCTX_TLS_CERT") or None,
             tls_key=env.get("COMMCTX_TLS_KEY") or None,
             token=env.get("COMMCTX_TOKEN") or None,
+            job_secret=env.get("COMMCTX_JOB_SECRET") or None,
         )
 
 

@@ -32,6 +32,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.RendezvousError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.RendezvousTimeout,
     grpc.StatusCode.UNAVAILABLE: errors.ServerUnavailable,
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
 _BY_REASON: dict[str, type[errors.RendezvousError]] = {
     pb.ErrorReason.Name(pb.INVALID_REQUEST): errors.InvalidRequest,
@@ -43,6 +44,7 @@ _BY_REASON: dict[str, type[errors.RendezvousError]] = {
     pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT): errors.RendezvousTimeout,
     pb.ErrorReason.Name(pb.SERVER_UNAVAILABLE): errors.ServerUnavailable,
     pb.ErrorReason.Name(pb.UNAUTHENTICATED_CALLER): errors.Unauthenticated,
+    pb.ErrorReason.Name(pb.JOB_SEALED): errors.PermissionDenied,
 }
 
 

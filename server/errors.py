@@ -42,5 +42,9 @@ class Unavailable(RendezvousError):
     """The server is shutting down and accepts no new work."""
 
 
+class PermissionDenied(RendezvousError):
+    """The job is sealed and the call's job secret is missing or wrong."""
+
+
 class Unauthenticated(RendezvousError):
     """The call carries no token, or one the server does not know."""

@@ -12,7 +12,7 @@ import pytest
 from commctx.server.errors import NotFound
 from commctx.server.planning import JobSpec, SeatedNode, Seating
 from commctx.server.rendezvous.machine import Rendezvous
-from commctx.server.rendezvous.model import JobState, JoinParams, secret_digest
+from commctx.server.rendezvous.model import JobState, JoinParams, job_secret_digest, secret_digest
 from commctx.server.rendezvous.sqlite import SqliteStore
 from commctx.server.rendezvous.store import (
     DeleteJob,
@@ -65,7 +65,7 @@ def test_roundtrip(make_store):
     s = make_store()
     epoch = s.take_over()
     s.commit([PutJob(JobRecord("j", SPEC, "formed", 3, "", WORLD)), PutMember("j", member("m2", 2)), PutMember("j", member("m1", 1)),
-              PutJob(JobRecord("k", JobSpec.build(1), "forming", 0, "", None))], epoch)
+              PutJob(JobRecord("k", JobSpec.build(1), "forming", 0, "", None, (), job_secret_digest("sealed-job-k")))], epoch)
     s.close()
     loaded = make_store().load()
     assert [j.job_id for j in loaded] == ["j", "k"]
@@ -73,6 +73,7 @@ def test_roundtrip(make_store):
     assert (j.spec, j.state, j.generation, j.reason, j.world) == (SPEC, "formed", 3, "", WORLD)
     assert j.members == (member("m1", 1), member("m2", 2))  # join order
     assert loaded[1].members == () and loaded[1].world is None
+    assert (j.seal, loaded[1].seal) == ("", job_secret_digest("sealed-job-k"))  # only digests are kept
 
 
 def test_writes_apply_in_order(make_store):

@@ -40,13 +40,14 @@ reaper pops only what is due.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import math
 import os
 import time
 from collections.abc import Callable, Iterable
 
-from ..errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration
+from ..errors import AlreadyExists, Conflict, JobFull, NotFound, PermissionDenied, StaleGeneration
 from ..planning import PlanError, WorldPlan, build_plan, elide, node_sort_key, plan_world
 from .deadlines import Deadlines
 from .model import (
@@ -68,6 +69,7 @@ from .model import (
     Stats,
     WaitOutcome,
     WorldChange,
+    job_secret_matches,
     secret_matches,
 )
 from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutJob, PutMember, Write
@@ -155,6 +157,8 @@ class Rendezvous:
             JobFull: the job (or the role) already has all its workers.
         """
         job = self._jobs.get(p.job_id)
+        if job is not None:
+            self._check_seal(job, p)  # first: a stranger learns nothing about a sealed job
         if job is not None and p.member_id and p.member_id in job.members:
             return self._reattach(job, p)
         if job is not None:
@@ -174,6 +178,7 @@ class Rendezvous:
             p.spec.check_declared(p.job_id, p.role)
             self._failed.pop(p.job_id, None)
             job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now)
+            job.seal = p.seal
             actions.writes.append(PutJob(self._record(job)))
         member_id = p.member_id or self._new_member_id()
         self._seq += 1
@@ -229,6 +234,14 @@ class Rendezvous:
             actions.writes.append(PutMember(job.job_id, _member_record(p.member_id, member)))
         self._maybe_form(job, actions)
         return joined, actions, None
+
+    @staticmethod
+    def _check_seal(job: Job, p: JoinParams) -> None:
+        if job.seal and not hmac.compare_digest(job.seal, p.seal):
+            raise PermissionDenied(f"job {job.job_id!r} is sealed: this join's job_secret is missing or wrong")
+        if p.seal and not job.seal:
+            raise Conflict(f"job {job.job_id!r} is not sealed, but this join carries a job_secret; "
+                           f"every worker of a job passes the same one, or none")
 
     def _check_admissible(self, job: Job, p: JoinParams) -> None:
         if job.spec != p.spec:
@@ -598,7 +611,7 @@ class Rendezvous:
         if not job.members:
             if job.state is JobState.FAILED:
                 until = self._clock() + self.FAILED_JOB_TTL_S
-                self._failed[job.job_id] = (self.describe(job.job_id), until)
+                self._failed[job.job_id] = (self._view(job.job_id), until)
                 self._tombstones.push(until, job.job_id)
             del self._jobs[job.job_id]
             actions.writes.append(DeleteJob(job.job_id))
@@ -638,6 +651,7 @@ class Rendezvous:
             spec = record.spec
             job = Job(record.job_id, spec, False, now)
             job.state, job.generation, job.reason = JobState(record.state), record.generation, record.reason
+            job.seal = record.seal
             if record.world is not None:
                 job.plan = build_plan(record.world, spec.at_size(record.world.world_size))
             for mr in record.members:
@@ -668,8 +682,20 @@ class Rendezvous:
             return None
         return NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
 
-    def describe(self, job_id: str) -> JobView:
-        """Raises NotFound for an unknown job."""
+    def describe(self, job_id: str, secret: str | None = None) -> JobView:
+        """The job as DescribeJob reports it; for a sealed job, given its
+        secret (None: not checked, for operators and the server itself).
+
+        Raises:
+            NotFound: an unknown job.
+            PermissionDenied: the job is sealed and `secret` does not open it.
+        """
+        view = self._view(job_id)
+        if secret is not None and not job_secret_matches(view.seal, secret):
+            raise PermissionDenied(f"job {job_id!r} is sealed: give its job_secret to describe it")
+        return view
+
+    def _view(self, job_id: str) -> JobView:
         if job_id not in self._jobs and job_id in self._failed:
             return self._failed[job_id][0]
         job = self._job(job_id)
@@ -707,6 +733,7 @@ class Rendezvous:
             missing_nodes=tuple(k for k in job.spec.expected_nodes if k not in job.nodes),
             waiting=len(job.members) - job.placed if formed else 0,
             not_ready=len(job.suspects),
+            seal=job.seal,
         )
 
     def job_ids(self) -> list[str]:
@@ -759,7 +786,7 @@ class Rendezvous:
     @staticmethod
     def _record(job: Job) -> JobRecord:
         return JobRecord(job.job_id, job.spec, job.state.value, job.generation, job.reason,
-                         job.plan.seating if job.plan is not None else None)
+                         job.plan.seating if job.plan is not None else None, (), job.seal)
 
 
 def _member_record(member_id: str, m: Member) -> MemberRecord:

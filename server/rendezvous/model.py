@@ -49,6 +49,27 @@ def secret_digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def job_secret_digest(secret: str) -> str:
+    """The SHA-256 digest (hex) under which a job secret is kept.
+
+    Raises:
+        InvalidArgument: the secret is malformed (the message never echoes it).
+    """
+    if not 8 <= len(secret) <= 256 or not secret.isascii() or not secret.isprintable() or " " in secret:
+        raise InvalidArgument(f"job_secret is malformed ({len(secret)} characters): give 8-256 printable ASCII characters, no spaces")
+    return hashlib.sha256(b"job:" + secret.encode()).hexdigest()
+
+
+def job_secret_matches(seal: str, secret: str) -> bool:
+    """Whether `secret` opens a job sealed with `seal` ("" : an open job, which any call opens)."""
+    if not seal:
+        return True
+    try:
+        return hmac.compare_digest(seal, job_secret_digest(secret))
+    except InvalidArgument:
+        return False
+
+
 def secret_matches(digest: str, secret: str) -> bool:
     """Whether `secret` is the one kept as `digest` ("" keeps none: any matches), in constant time."""
     if not digest:
@@ -70,10 +91,12 @@ class JoinParams(NamedTuple):
     role: str = ""
     member_id: str = ""  # client-chosen, to re-attach; empty: the server picks
     secret: str = ""  # digest of the member secret ("": none, as for members of schema 2)
+    seal: str = ""  # digest of the job secret ("": an open job)
 
     @classmethod
     def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
-              node_rank: int | None = None, role: str = "", member_id: str = "", member_secret: str = "") -> JoinParams:
+              node_rank: int | None = None, role: str = "", member_id: str = "", member_secret: str = "",
+              job_secret: str = "") -> JoinParams:
         """Validates a join request.
 
         Raises:
@@ -100,7 +123,8 @@ class JoinParams(NamedTuple):
         if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
             raise InvalidArgument(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
         secret = secret_digest(member_secret) if member_secret else ""
-        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret)
+        seal = job_secret_digest(job_secret) if job_secret else ""
+        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal)
 
 
 class JobState(enum.Enum):
@@ -245,7 +269,7 @@ class Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
-        "last_call_armed", "version", "planning",
+        "last_call_armed", "version", "planning", "seal",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -269,6 +293,7 @@ class Job:
         self.last_call_armed = False
         self.version = 0  # bumped whenever who is in the job, or a member's port, changes
         self.planning = -1  # the version a plan is being computed for off the loop, or -1
+        self.seal = ""  # digest of the job secret ("": an open job)
 
     def in_world(self, member_id: str) -> bool:
         """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""
@@ -314,6 +339,7 @@ class JobView:
     missing_nodes: tuple[str, ...] = ()  # expected node keys not present
     waiting: int = 0  # joined a formed world, wait for the next generation
     not_ready: int = 0  # re-forming: survivors awaited before the next world can form
+    seal: str = ""  # digest of the job secret ("": an open job); never sent
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ _SCHEMA = """
     INSERT INTO writer VALUES (1, 0);
     CREATE TABLE jobs (
         job_id TEXT PRIMARY KEY, state TEXT NOT NULL, generation INTEGER NOT NULL,
-        reason TEXT NOT NULL, spec TEXT NOT NULL, world TEXT);
+        reason TEXT NOT NULL, spec TEXT NOT NULL, world TEXT, secret TEXT NOT NULL DEFAULT '');
     CREATE TABLE members (
         job_id TEXT NOT NULL, member_id TEXT NOT NULL, seq INTEGER NOT NULL,
         node_key TEXT NOT NULL, address TEXT NOT NULL, port INTEGER NOT NULL,
@@ -61,7 +61,7 @@ _SCHEMA = """
         PRIMARY KEY (job_id, member_id));
 """
 
-_PUT_JOB = "INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world) VALUES (?, ?, ?, ?, ?, ?)"
+_PUT_JOB = "INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world, secret) VALUES (?, ?, ?, ?, ?, ?, ?)"
 _PUT_MEMBER = (
     "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -155,11 +155,11 @@ class SqliteStore(Store):
             for job_id, *fields in rows:
                 members.setdefault(job_id, []).append(MemberRecord(*fields))
             jobs = []
-            for job_id, state, generation, reason, spec, world in db.execute(
-                    "SELECT job_id, state, generation, reason, spec, world FROM jobs ORDER BY job_id"):
+            for job_id, state, generation, reason, spec, world, seal in db.execute(
+                    "SELECT job_id, state, generation, reason, spec, world, secret FROM jobs ORDER BY job_id"):
                 jobs.append(JobRecord(
                     job_id, spec_from_json(spec), state, generation, reason,
-                    seating_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())),
+                    seating_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())), seal,
                 ))
             return jobs
 
@@ -197,13 +197,15 @@ def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
 
 def _job_row(job: JobRecord) -> tuple:
     world = json.dumps(seating_record(job.world), separators=(",", ":")) if job.world is not None else None
-    return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world)
+    return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world, job.seal)
 
 
 def _migrate_v2(db: sqlite3.Connection) -> None:
     """Schema 2 -> 3, inside the caller's transaction: members gain the digest
-    of their secret; those of schema 2 have none ('') and renew without one."""
+    of their secret, jobs the digest of their job secret; those of schema 2
+    have none ('': members renew without one, jobs are open)."""
     db.execute("ALTER TABLE members ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE jobs ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
 
 
 def _migrate_v1(db: sqlite3.Connection) -> None:

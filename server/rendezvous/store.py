@@ -57,6 +57,7 @@ class JobRecord(NamedTuple):
     reason: str
     world: Seating | None  # the current world (while re-forming: the one being replaced)
     members: tuple[MemberRecord, ...] = ()  # filled by load(), in join order
+    seal: str = ""  # SHA-256 digest (hex) of the job secret; "": an open job
 
 
 class PutJob(NamedTuple):

@@ -187,7 +187,7 @@ async def start_server(
                             on_store_error=out._store_error, on_fenced=out._fenced)
     out.executor.start()
     out.executor.submit(actions)
-    out.servicer = RendezvousServicer(machine, out.executor, waiters, out.telemetry.rpc_error)
+    out.servicer = RendezvousServicer(machine, out.executor, waiters, out.telemetry.rpc_error, callers)
 
     server = _grpc_server([TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else [])
     pb_grpc.add_RendezvousServicer_to_server(out.servicer, server)

@@ -22,6 +22,7 @@ from ..errors import (
     InvalidArgument,
     JobFull,
     NotFound,
+    PermissionDenied,
     RendezvousError,
     StaleGeneration,
     Unauthenticated,
@@ -47,6 +48,7 @@ STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
     WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, pb.RENDEZVOUS_TIMEOUT),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, pb.SERVER_UNAVAILABLE),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
+    PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, pb.JOB_SEALED),
 }
 
 _STATE = {
@@ -113,7 +115,7 @@ def join_params(r: pb.JoinRequest, member_secret: str) -> JoinParams:
         job_id=r.job_id, spec=spec, node_key=r.node_key, address=r.address, port=r.master_port,
         local_rank=r.local_rank if r.HasField("local_rank") else None,
         node_rank=r.node_rank if r.HasField("node_rank") else None,
-        role=r.role, member_id=r.member_id, member_secret=member_secret,
+        role=r.role, member_id=r.member_id, member_secret=member_secret, job_secret=r.job_secret,
     )
 
 
@@ -170,6 +172,11 @@ def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | None
     if isinstance(event, Gone):
         return pb.SessionEvent(gone=event.reason)
     raise TypeError(f"not a session event: {elide(event)}")
+
+
+def summary_message(v: JobView) -> pb.JobDescription:
+    """A sealed job as ListJobs shows it to those without its secret: id and state."""
+    return pb.JobDescription(job_id=v.job_id, state=_STATE[v.state])
 
 
 def description_message(v: JobView) -> pb.JobDescription:

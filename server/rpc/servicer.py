@@ -19,6 +19,7 @@ from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Gone, check_job_id, check_member_id
 from . import codec
+from .auth import ADMIN, Callers
 
 T = TypeVar("T")
 
@@ -27,8 +28,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     """Serves commctx.v1.Rendezvous over the state machine."""
 
     def __init__(self, machine: Rendezvous, executor: Executor, waiters: Waiters,
-                 rpc_error: Callable[[str, str], None] = lambda method, code: None) -> None:
+                 rpc_error: Callable[[str, str], None] = lambda method, code: None, callers: Callers | None = None) -> None:
         self._machine = machine
+        self._callers = callers
         self._executor = executor
         self._waiters = waiters
         self._rpc_error = rpc_error
@@ -160,10 +162,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription:
         return await self._call(
-            context, "DescribeJob", lambda: codec.description_message(self._machine.describe(check_job_id(request.job_id))))
+            context, "DescribeJob",
+            lambda: codec.description_message(self._machine.describe(check_job_id(request.job_id), request.job_secret)))
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        admin = self._callers is not None and self._callers.role(context.invocation_metadata()) == ADMIN
+
         def jobs() -> pb.ListJobsResponse:
-            return pb.ListJobsResponse(jobs=[codec.description_message(self._machine.describe(j)) for j in self._machine.job_ids()])
+            views = (self._machine.describe(j) for j in self._machine.job_ids())
+            return pb.ListJobsResponse(jobs=[codec.summary_message(v) if v.seal and not admin else codec.description_message(v)
+                                             for v in views])
 
         return await self._call(context, "ListJobs", jobs)

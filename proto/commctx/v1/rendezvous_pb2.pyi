@@ -19,6 +19,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RENDEZVOUS_TIMEOUT: _ClassVar[ErrorReason]
     SERVER_UNAVAILABLE: _ClassVar[ErrorReason]
     UNAUTHENTICATED_CALLER: _ClassVar[ErrorReason]
+    JOB_SEALED: _ClassVar[ErrorReason]
 
 class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ MEMBER_NOT_FOUND: ErrorReason
 RENDEZVOUS_TIMEOUT: ErrorReason
 SERVER_UNAVAILABLE: ErrorReason
 UNAUTHENTICATED_CALLER: ErrorReason
+JOB_SEALED: ErrorReason
 SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 
@@ -132,7 +134,7 @@ class RankList(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret")
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret", "job_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,7 @@ class JoinRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     node_key: str
@@ -155,7 +158,8 @@ class JoinRequest(_message.Message):
     role: str
     member_id: str
     member_secret: str
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ...) -> None: ...
+    job_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("member_id", "lease_ttl_ms", "assignment", "member_secret")
@@ -304,10 +308,12 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeJobRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "job_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    job_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ...) -> None: ...
 
 class JobDescription(_message.Message):
     __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready")
