@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from commctx.server import start_server
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -491,3 +492,33 @@ async def test_a_member_that_stops_renewing_expires_and_survivors_are_told():
             session.cancel()
     finally:
         await server.stop(0)
+
+
+async def test_a_session_that_never_names_its_member_is_closed_after_one_ttl():
+    s = await start_server("127.0.0.1", 0, lease_ttl_s=0.5)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+            call = pb_grpc.RendezvousStub(ch).Session()
+            err = await expect_error(call.read(), Code.DEADLINE_EXCEEDED,
+                                     "no SessionRequest within the lease TTL (0.5 s): a session starts by naming its member")
+            assert err is not None
+            assert (await pb_grpc.RendezvousStub(ch).ListJobs(pb.ListJobsRequest())).jobs == []  # still serving
+    finally:
+        await s.stop(0)
+
+
+async def test_undecodable_requests_are_invalid_arguments_logged_once(stub, channel, caplog):
+    held = await stub.Join(join_request("beside", 1))
+    garbage = b"\xff\xff\xff\x07garbage"
+    for method in ("Join", "KeepAlive", "Leave", "DescribeJob", "ListJobs"):
+        for _ in range(20):
+            err = await expect_error(channel.unary_unary(f"/commctx.v1.Rendezvous/{method}")(garbage, timeout=5),
+                                     Code.INVALID_ARGUMENT, f"the request is not a valid commctx.v1.{method}Request message")
+            assert error_info(err) == ("INVALID_REQUEST", "commctx")
+    session = channel.stream_stream("/commctx.v1.Rendezvous/Session")()
+    await session.write(garbage)
+    await expect_error(session.read(), Code.INVALID_ARGUMENT, "not a valid commctx.v1.SessionRequest message")
+    lines = [r for r in caplog.records if r.name == "commctx.server" and r.levelname in ("WARNING", "ERROR")]
+    assert [r.getMessage() for r in lines] == ["undecodable_requests"]  # one line for 101 bad requests
+    ok = await stub.KeepAlive(pb.KeepAliveRequest(job_id="beside", member_id=held.member_id, member_secret=held.member_secret))
+    assert ok.generation == 1  # the healthy job beside them is undisturbed

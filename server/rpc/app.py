@@ -26,6 +26,7 @@ from ..rendezvous.model import Stats
 from ..rendezvous.store import Fenced, NullStore, Store
 from ..gc_pacer import GcPacer
 from ..telemetry import Telemetry, event
+from . import codec
 from .auth import Callers, TokenInterceptor
 from .servicer import RendezvousServicer
 
@@ -93,6 +94,36 @@ class RendezvousServer:
         self.servicer.draining = True
         self._tasks.append(asyncio.ensure_future(self._set_health(NOT_SERVING)))
         self.deposed.set()
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Requests to commctx.v1.Rendezvous whose bytes do not parse are answered
+    INVALID_ARGUMENT (unary calls here; Session's reads in the servicer),
+    with at most one log line a minute, instead of UNKNOWN and a traceback each."""
+
+    def __init__(self, rpc_error: Callable[[str, str], None]) -> None:
+        self._rpc_error = rpc_error
+        self._log_line = codec.LimitedLog()
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_deserializer is None:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        parse = codec.tolerant(handler.request_deserializer, f"commctx.v1.{method}Request", self._log_line)
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                handler.stream_stream, request_deserializer=parse, response_serializer=handler.response_serializer)
+        inner = handler.unary_unary
+
+        async def checked(request, context: grpc.aio.ServicerContext):
+            if isinstance(request, codec.Undecodable):
+                status = codec.error_status(request.error())
+                self._rpc_error(method, status.code.name)
+                await context.abort(status.code, status.details, status.trailing_metadata)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=parse, response_serializer=handler.response_serializer)
 
 
 def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
@@ -189,7 +220,8 @@ async def start_server(
     out.executor.submit(actions)
     out.servicer = RendezvousServicer(machine, out.executor, waiters, out.telemetry.rpc_error, callers)
 
-    server = _grpc_server([TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else [])
+    guards = [TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else []
+    server = _grpc_server([*guards, DecodeGuard(out.telemetry.rpc_error)])
     pb_grpc.add_RendezvousServicer_to_server(out.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

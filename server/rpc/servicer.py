@@ -96,8 +96,17 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # The first message names the member; every message renews its lease.
         # Events the executor puts in the member's sink are written as they
         # come (through context.read/write, so `requests` is not iterated).
-        first = await context.read()
+        ttl = self._machine.lease_ttl_s
+        try:  # a stream that never names its member would be held forever
+            first = await asyncio.wait_for(context.read(), ttl)
+        except asyncio.TimeoutError:
+            await self._abort(context, "Session", WaitTimeout(
+                f"no SessionRequest within the lease TTL ({ttl:g} s): a session starts by naming its member"))
+            return
         if first is grpc.aio.EOF:
+            return
+        if isinstance(first, codec.Undecodable):
+            await self._abort(context, "Session", first.error())
             return
         sink: asyncio.Queue = asyncio.Queue()
         try:
@@ -132,8 +141,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def _renewals(self, context: grpc.aio.ServicerContext, job_id: str, member_id: str, sink: asyncio.Queue) -> None:
         while True:
             request = await context.read()
-            if request is grpc.aio.EOF:
-                sink.put_nowait(None)
+            if request is grpc.aio.EOF or isinstance(request, codec.Undecodable):
+                sink.put_nowait(None)  # ends the stream; the lease runs on
                 return
             try:
                 _, actions = self._machine.renew(job_id, member_id, request.generation, request.spare_port)
