@@ -33,6 +33,7 @@ from .servicer import RendezvousServicer
 log = logging.getLogger("commctx.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Rendezvous"].full_name
+RENDEZVOUS_METHODS = frozenset(f"/{SERVICE_NAME}/{m.name}" for m in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -104,12 +105,20 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
     def __init__(self, rpc_error: Callable[[str, str], None]) -> None:
         self._rpc_error = rpc_error
         self._log_line = codec.LimitedLog()
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        wrapped = self._wrapped.get(details.method)  # built once per method, not per call
+        if wrapped is not None:
+            return wrapped
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_deserializer is None:
-            return handler
-        method = details.method.rsplit("/", 1)[-1]
+        if handler is None or handler.request_deserializer is None or details.method not in RENDEZVOUS_METHODS:
+            return handler  # health, reflection, unknown names: as they are (and nothing cached for them)
+        wrapped = self._wrapped[details.method] = self._wrap(details.method, handler)
+        return wrapped
+
+    def _wrap(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        method = path.rsplit("/", 1)[-1]
         parse = codec.tolerant(handler.request_deserializer, f"commctx.v1.{method}Request", self._log_line)
         if handler.request_streaming:
             return grpc.stream_stream_rpc_method_handler(
