@@ -25,6 +25,7 @@ from .errors import (
     RendezvousTimeout,
     ServerUnavailable,
     PermissionDenied,
+    ServerFull,
     StaleGeneration,
     Unauthenticated,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "RendezvousTimeout",
     "ServerUnavailable",
     "PermissionDenied",
+    "ServerFull",
     "StaleGeneration",
     "Unauthenticated",
 ]

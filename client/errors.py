@@ -74,6 +74,10 @@ class ServerUnavailable(RendezvousError):
     """UNAVAILABLE: the server cannot be reached or is shutting down."""
 
 
+class ServerFull(RendezvousError):
+    """RESOURCE_EXHAUSTED: the server holds as many jobs or members as its limits allow (the message names the limit)."""
+
+
 class PermissionDenied(RendezvousError):
     """PERMISSION_DENIED: the job is sealed and this call's job secret (job_secret= or COMMCTX_JOB_SECRET) is missing or wrong."""
 

@@ -45,6 +45,7 @@ _BY_REASON: dict[str, type[errors.RendezvousError]] = {
     pb.ErrorReason.Name(pb.SERVER_UNAVAILABLE): errors.ServerUnavailable,
     pb.ErrorReason.Name(pb.UNAUTHENTICATED_CALLER): errors.Unauthenticated,
     pb.ErrorReason.Name(pb.JOB_SEALED): errors.PermissionDenied,
+    pb.ErrorReason.Name(pb.SERVER_FULL): errors.ServerFull,
 }
 
 

@@ -32,6 +32,13 @@ def _optional_port(text: str) -> int | None:
     return None if text in ("", "off") else _port(text)
 
 
+def _count(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
 def _positive(text: str) -> float:
     value = _number(text, float)
     if not value > 0:
@@ -83,6 +90,11 @@ SETTINGS = (
     Setting("grace_s", _non_negative, "5", "on SIGTERM, how long in-flight calls may finish"),
     Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     Setting("log_format", _choice("plain", "json"), "plain", "one line per event, as key=value text or JSON"),
+    Setting("max_jobs", _count, "10000", "jobs one server holds at most; a Join that would create another gets RESOURCE_EXHAUSTED"),
+    Setting("max_members", _count, "200000", "members (workers) one server holds at most, across its jobs"),
+    Setting("max_spec_bytes", _count, "65536", "largest JobSpec a Join may carry, in bytes"),
+    Setting("max_spec_rules", _count, "1024", "most roles + group rules + cpu twins + expected nodes a JobSpec may list"),
+    Setting("max_join_wait_s", _positive, "3600", "longest a Join waits for its world, whatever wait it asks for"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
     Setting("tls_key", str, "", "PEM private key of --tls-cert"),
     Setting("auth_tokens", str, "", "file of bearer tokens, one per line ('TOKEN' or 'TOKEN admin'); every call but health then needs one; re-read on SIGHUP"),
@@ -102,6 +114,11 @@ class Config:
     grace_s: float = 5.0
     log_level: str = "info"
     log_format: str = "plain"
+    max_jobs: int = 10_000
+    max_members: int = 200_000
+    max_spec_bytes: int = 65_536
+    max_spec_rules: int = 1024
+    max_join_wait_s: float = 3600.0
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

@@ -42,6 +42,10 @@ class Unavailable(RendezvousError):
     """The server is shutting down and accepts no new work."""
 
 
+class LimitExceeded(RendezvousError):
+    """The server holds as much as one of its limits allows; the message names the limit."""
+
+
 class PermissionDenied(RendezvousError):
     """The job is sealed and the call's job secret is missing or wrong."""
 

@@ -582,3 +582,21 @@ def test_a_world_restored_while_re_forming_awaits_its_survivors(clock):
     (world,) = worlds(actions)
     assert world.generation == 2 and set(world.plan.ranks) == set(ids[:2]) and pushed(actions, sink) == [world]
     assert world.plan.master_port == 7777
+
+
+def test_the_server_holds_at_most_its_limits_of_jobs_and_members(clock):
+    from commctx.server.errors import LimitExceeded
+    from commctx.server.rendezvous.model import Limits
+
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, limits=Limits(max_jobs=2, max_members=3))
+    a, _ = join(rdzv, params(JobSpec.build(2), job="one"))
+    join(rdzv, params(JobSpec.build(2), job="two"))
+    with pytest.raises(LimitExceeded, match=r"maximum of 2 jobs \(--max-jobs\); job 'three' cannot be created now"):
+        rdzv.join(params(JobSpec.build(1), job="three"))
+    join(rdzv, params(JobSpec.build(2), "n2", job="two"))  # joining a job it holds is fine ...
+    with pytest.raises(LimitExceeded, match=r"maximum of 3 members \(--max-members\)"):
+        rdzv.join(params(JobSpec.build(2), "n3", job="one"))  # ... until the members run out
+    rdzv.leave("one", a)  # "one" is gone with its only member: a job and a member are free again
+    assert rdzv.job_ids() == ["two"]
+    join(rdzv, params(JobSpec.build(1), job="three"))
+    assert rdzv.stats().members == 3

@@ -305,7 +305,9 @@ def test_configuration_errors_and_help():
     assert bad_flag.returncode == 2 and "--log-format=xml: not one of plain, json" in bad_flag.stderr
     help_text = subprocess.run(["commctx-server", "--help"], capture_output=True, text=True).stdout
     for var in ("COMMCTX_HOST", "COMMCTX_PORT", "COMMCTX_HEALTH_PORT", "COMMCTX_METRICS_PORT", "COMMCTX_LEASE_TTL_S",
-                "COMMCTX_STORE", "COMMCTX_STATE_DIR", "COMMCTX_GRACE_S", "COMMCTX_LOG_LEVEL", "COMMCTX_LOG_FORMAT"):
+                "COMMCTX_STORE", "COMMCTX_STATE_DIR", "COMMCTX_GRACE_S", "COMMCTX_LOG_LEVEL", "COMMCTX_LOG_FORMAT",
+                "COMMCTX_MAX_JOBS", "COMMCTX_MAX_MEMBERS", "COMMCTX_MAX_SPEC_BYTES", "COMMCTX_MAX_SPEC_RULES",
+                "COMMCTX_MAX_JOIN_WAIT_S", "COMMCTX_TLS_CERT", "COMMCTX_TLS_KEY", "COMMCTX_TLS_CLIENT_CA", "COMMCTX_AUTH_TOKENS"):
         assert var in help_text
 
 
@@ -314,6 +316,10 @@ def test_flags_beat_environment():
 
     c = from_env(["--port", "7"], {"COMMCTX_PORT": "8", "COMMCTX_METRICS_PORT": "9464", "COMMCTX_HEALTH_PORT": "off"})
     assert (c.port, c.metrics_port, c.health_port) == (7, 9464, None)
+    limits = from_env(["--max-jobs", "5"], {"COMMCTX_MAX_MEMBERS": "7", "COMMCTX_MAX_JOIN_WAIT_S": "1.5"})
+    assert (limits.max_jobs, limits.max_members, limits.max_join_wait_s, limits.max_spec_bytes, limits.max_spec_rules) == (5, 7, 1.5, 65536, 1024)
+    with pytest.raises(SystemExit):
+        from_env(["--max-jobs", "0"], {})
 
 
 # -- reflection with grpcurl ----------------------------------------------------------------
@@ -424,3 +430,20 @@ def test_the_containers_command_runs_here_and_passes_its_healthcheck(tmp_path):
     finally:
         server.stop()
     assert shlex.join(cmd) == "commctx-server"
+
+
+def test_a_limit_reaches_the_worker_as_a_typed_error():
+    from commctx import ServerFull
+    from commctx.transport import error_from_rpc
+
+    server = Server("127.0.0.1", "--max-jobs", "1")
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            stub.Join(join_request("first", 1), timeout=10)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Join(join_request("second", 1), timeout=10)
+        err = error_from_rpc(info.value)
+        assert isinstance(err, ServerFull) and "(--max-jobs)" in str(err)
+    finally:
+        server.stop()

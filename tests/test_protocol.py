@@ -39,6 +39,7 @@ REASON = {
     Code.RESOURCE_EXHAUSTED: "JOB_FULL", Code.NOT_FOUND: "MEMBER_NOT_FOUND", Code.DEADLINE_EXCEEDED: "RENDEZVOUS_TIMEOUT",
     Code.UNAVAILABLE: "SERVER_UNAVAILABLE",
 }
+ALSO = {(Code.FAILED_PRECONDITION, "STALE_GENERATION"), (Code.RESOURCE_EXHAUSTED, "SERVER_FULL")}
 
 
 async def expect_error(call, code: grpc.StatusCode, *fragments: str) -> grpc.aio.AioRpcError:
@@ -49,7 +50,7 @@ async def expect_error(call, code: grpc.StatusCode, *fragments: str) -> grpc.aio
     for fragment in fragments:
         assert fragment in err.details(), err.details()
     reason, domain = error_info(err)
-    assert domain == "commctx" and (reason == REASON[code] or (code, reason) == (Code.FAILED_PRECONDITION, "STALE_GENERATION"))
+    assert domain == "commctx" and (reason == REASON[code] or (code, reason) in ALSO)
     return err
 
 
@@ -522,3 +523,30 @@ async def test_undecodable_requests_are_invalid_arguments_logged_once(stub, chan
     assert [r.getMessage() for r in lines] == ["undecodable_requests"]  # one line for 101 bad requests
     ok = await stub.KeepAlive(pb.KeepAliveRequest(job_id="beside", member_id=held.member_id, member_secret=held.member_secret))
     assert ok.generation == 1  # the healthy job beside them is undisturbed
+
+
+async def test_limits_name_themselves():
+    from commctx.server.rendezvous.model import Limits
+
+    s = await start_server("127.0.0.1", 0, limits=Limits(max_jobs=1, max_spec_bytes=200, max_spec_rules=3, max_join_wait_s=0.3))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            many = join_request("rules", 2)
+            many.spec.expected_nodes.extend(f"node{i}" for i in range(10))
+            await expect_error(stub.Join(many), Code.INVALID_ARGUMENT,
+                               "spec has 10 roles, group rules, cpu twins and expected nodes; at most 3 allowed (--max-spec-rules)")
+            big = join_request("bytes", 2)
+            big.spec.expected_nodes.extend(["a" * 150, "b" * 150])
+            await expect_error(stub.Join(big), Code.INVALID_ARGUMENT, f"spec is {big.spec.ByteSize()} bytes; at most 200 allowed (--max-spec-bytes)")
+            started = asyncio.get_running_loop().time()
+            await expect_error(stub.Join(join_request("waits", 2, wait_timeout_ms=600_000)), Code.DEADLINE_EXCEEDED,
+                               "did not form within 0.3 s")  # capped by --max-join-wait-s
+            assert asyncio.get_running_loop().time() - started < 5
+            held = await stub.Join(join_request("held", 1))
+            err = await expect_error(stub.Join(join_request("another", 1)), Code.RESOURCE_EXHAUSTED,
+                                     "maximum of 1 jobs (--max-jobs); job 'another' cannot be created now")
+            assert error_info(err) == ("SERVER_FULL", "commctx")
+            assert held.assignment.world_size == 1
+    finally:
+        await s.stop(0)

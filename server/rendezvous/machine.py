@@ -47,7 +47,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-from ..errors import AlreadyExists, Conflict, JobFull, NotFound, PermissionDenied, StaleGeneration
+from ..errors import AlreadyExists, Conflict, JobFull, LimitExceeded, NotFound, PermissionDenied, StaleGeneration
 from ..planning import PlanError, WorldPlan, build_plan, elide, node_sort_key, plan_world
 from .deadlines import Deadlines
 from .model import (
@@ -58,6 +58,7 @@ from .model import (
     JobView,
     Joined,
     JoinParams,
+    Limits,
     Member,
     MemberGone,
     NewWorld,
@@ -121,8 +122,11 @@ class Rendezvous:
         clock: Callable[[], float] = time.monotonic,
         new_member_id: Callable[[], str] | None = None,
         plan_inline_max: int = PLAN_INLINE_MAX,
+        limits: Limits = Limits(),
     ) -> None:
         self.lease_ttl_s = lease_ttl_s
+        self.limits = limits
+        self._members = 0  # across all jobs
         self.plan_inline_max = plan_inline_max
         self._clock = clock
         self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
@@ -172,6 +176,12 @@ class Rendezvous:
                     f"in job {p.job_id!r}; node {p.node_key!r} cannot take it"
                 )
 
+        if self._members >= self.limits.max_members:
+            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_members} members (--max-members); "
+                                f"node {p.node_key!r} cannot join job {p.job_id!r} now")
+        if job is None and len(self._jobs) >= self.limits.max_jobs:
+            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
+                                f"job {p.job_id!r} cannot be created now")
         now = self._clock()
         actions = Actions()
         if job is None:
@@ -183,6 +193,7 @@ class Rendezvous:
         member_id = p.member_id or self._new_member_id()
         self._seq += 1
         member = self._add_member(job, member_id, p, self._seq)
+        self._members += 1
         job.last_arrival = now
         actions.writes.append(PutMember(job.job_id, _member_record(member_id, member)))
         actions.notes.append(Note("join", {"job": job.job_id, "member": member_id, "node": member.node_key, "role": p.role,
@@ -589,6 +600,7 @@ class Rendezvous:
 
     def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
         member = job.members.pop(member_id)
+        self._members -= 1
         job.version += 1
         in_world = job.in_world(member_id)
         job.placed -= in_world
@@ -658,6 +670,7 @@ class Rendezvous:
                 p = JoinParams(job.job_id, spec, mr.node_key, mr.address, mr.port, mr.local_rank, mr.node_rank, False, mr.role,
                                mr.member_id, mr.secret)
                 m = self._add_member(job, mr.member_id, p, mr.seq)
+                self._members += 1
                 placed = job.in_world(mr.member_id)
                 job.placed += placed
                 m.lease_deadline = now + (self.lease_ttl_s if placed else 0) + grace_s

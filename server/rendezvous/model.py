@@ -77,6 +77,17 @@ def secret_matches(digest: str, secret: str) -> bool:
     return MEMBER_SECRET.fullmatch(secret) is not None and hmac.compare_digest(digest, secret_digest(secret))
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one server holds at most (each a flag and COMMCTX_* variable; server/config.py)."""
+
+    max_jobs: int = 10_000
+    max_members: int = 200_000  # across all jobs
+    max_spec_bytes: int = 64 * 1024
+    max_spec_rules: int = 1024  # roles + group rules + cpu twins + expected nodes
+    max_join_wait_s: float = 3600.0
+
+
 class JoinParams(NamedTuple):
     """A validated join request. Build with `JoinParams.build`."""
 

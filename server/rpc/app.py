@@ -22,7 +22,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
-from ..rendezvous.model import Stats
+from ..rendezvous.model import Limits, Stats
 from ..rendezvous.store import Fenced, NullStore, Store
 from ..gc_pacer import GcPacer
 from ..telemetry import Telemetry, event
@@ -184,6 +184,7 @@ async def start_server(
     pace_gc: bool = False,
     tls: ServerTls | None = None,
     callers: Callers | None = None,
+    limits: Limits = Limits(),
 ) -> RendezvousServer:
     """Starts a rendezvous server on host:port (port 0: any free port).
 
@@ -200,6 +201,7 @@ async def start_server(
         tls: serve the main port over TLS only (mutual TLS with a client CA);
             the health-only port stays plaintext for probes.
         callers: require one of these bearer tokens on every call but health.
+        limits: how much the server holds at most (jobs, members, spec sizes, join waits).
 
     Raises:
         RuntimeError: an address could not be bound.
@@ -209,7 +211,7 @@ async def start_server(
     loop = asyncio.get_running_loop()
     out._store = store = store if store is not None else NullStore()
     epoch = store.take_over()
-    out.machine = machine = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock)
+    out.machine = machine = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, limits=limits)
     restored, actions = machine.restore(store.load(), grace_s=lease_ttl_s)
     if restored:
         event("restored", jobs=restored, grace_s=lease_ttl_s)

@@ -25,6 +25,7 @@ from ..errors import (
     Conflict,
     InvalidArgument,
     JobFull,
+    LimitExceeded,
     NotFound,
     PermissionDenied,
     RendezvousError,
@@ -34,7 +35,7 @@ from ..errors import (
     WaitTimeout,
 )
 from ..planning import JobSpec, PlannedGroup, elide
-from ..rendezvous.model import Assignment, Gone, JobState, JobView, JoinParams, NewWorld, SessionEvent, WorldChange
+from ..rendezvous.model import Assignment, Gone, JobState, JobView, JoinParams, Limits, NewWorld, SessionEvent, WorldChange
 
 log = logging.getLogger("commctx.server")
 
@@ -53,6 +54,7 @@ STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
     Unavailable: (grpc.StatusCode.UNAVAILABLE, pb.SERVER_UNAVAILABLE),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
     PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, pb.JOB_SEALED),
+    LimitExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.SERVER_FULL),
 }
 
 _STATE = {
@@ -107,13 +109,21 @@ def spec_to_message(spec: JobSpec) -> pb.JobSpec:
 # -- requests --------------------------------------------------------------------------
 
 
-def join_params(r: pb.JoinRequest, member_secret: str) -> JoinParams:
+def join_params(r: pb.JoinRequest, member_secret: str, limits: Limits = Limits()) -> JoinParams:
     """Validates a JoinRequest; `member_secret` is the request's, or one the server picked.
+    The spec's size is checked against `limits` before it is parsed.
 
     Raises:
         InvalidArgument: naming the first bad field and its value.
         Conflict: a spec no world of its size can satisfy.
     """
+    size = r.spec.ByteSize()
+    if size > limits.max_spec_bytes:
+        raise InvalidArgument(f"spec is {size} bytes; at most {limits.max_spec_bytes} allowed (--max-spec-bytes)")
+    rules = len(r.spec.roles) + len(r.spec.groups) + len(r.spec.cpu_twins) + len(r.spec.expected_nodes)
+    if rules > limits.max_spec_rules:
+        raise InvalidArgument(f"spec has {rules} roles, group rules, cpu twins and expected nodes; "
+                              f"at most {limits.max_spec_rules} allowed (--max-spec-rules)")
     spec = _spec_of_bytes(r.spec.SerializeToString(deterministic=True))
     return JoinParams.build(
         job_id=r.job_id, spec=spec, node_key=r.node_key, address=r.address, port=r.master_port,

@@ -54,12 +54,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if self.draining:
                 raise Unavailable("the server is shutting down; join another rendezvous server or retry")
             secret = request.member_secret or os.urandom(16).hex()
-            params = codec.join_params(request, secret)
+            params = codec.join_params(request, secret, self._machine.limits)
             joined, actions, placed = self._machine.join(params)
         except Exception as exc:
             await self._abort(context, "Join", exc)
         job_id, member_id = params.job_id, joined.member_id
-        timeout = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else None
+        longest = self._machine.limits.max_join_wait_s  # no Join is held longer, whatever it asks
+        timeout = min(request.wait_timeout_ms / 1000, longest) if request.wait_timeout_ms else longest
         remaining = context.time_remaining()
         if remaining is not None:
             # Answer with who is missing before the caller's own deadline cuts the call.

@@ -20,6 +20,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVER_UNAVAILABLE: _ClassVar[ErrorReason]
     UNAUTHENTICATED_CALLER: _ClassVar[ErrorReason]
     JOB_SEALED: _ClassVar[ErrorReason]
+    SERVER_FULL: _ClassVar[ErrorReason]
 
 class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ RENDEZVOUS_TIMEOUT: ErrorReason
 SERVER_UNAVAILABLE: ErrorReason
 UNAUTHENTICATED_CALLER: ErrorReason
 JOB_SEALED: ErrorReason
+SERVER_FULL: ErrorReason
 SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 
