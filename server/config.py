@@ -95,6 +95,8 @@ SETTINGS = (
     Setting("max_spec_bytes", _count, "65536", "largest JobSpec a Join may carry, in bytes"),
     Setting("max_spec_rules", _count, "1024", "most roles + group rules + cpu twins + expected nodes a JobSpec may list"),
     Setting("max_join_wait_s", _positive, "3600", "longest a Join waits for its world, whatever wait it asks for"),
+    Setting("retain_ended_jobs", _count, "1000", "failed jobs kept after their last worker left, so that DescribeJob can say why; the oldest go first"),
+    Setting("retain_ended_s", _positive, "300", "how long such a job is kept"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
     Setting("tls_key", str, "", "PEM private key of --tls-cert"),
     Setting("auth_tokens", str, "", "file of bearer tokens, one per line ('TOKEN' or 'TOKEN admin'); every call but health then needs one; re-read on SIGHUP"),
@@ -119,6 +121,8 @@ class Config:
     max_spec_bytes: int = 65_536
     max_spec_rules: int = 1024
     max_join_wait_s: float = 3600.0
+    retain_ended_jobs: int = 1000
+    retain_ended_s: float = 300.0
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

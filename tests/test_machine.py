@@ -312,7 +312,7 @@ def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, clock):
     clock.now += 11.0
     rdzv.expire_due()
     assert rdzv.describe("job").state is JobState.FAILED  # kept a while to say why
-    clock.now += Rendezvous.FAILED_JOB_TTL_S
+    clock.now += rdzv.limits.retain_ended_s
     rdzv.expire_due()
     assert rdzv.job_ids() == []
 
@@ -600,3 +600,23 @@ def test_the_server_holds_at_most_its_limits_of_jobs_and_members(clock):
     assert rdzv.job_ids() == ["two"]
     join(rdzv, params(JobSpec.build(1), job="three"))
     assert rdzv.stats().members == 3
+
+
+def test_failed_jobs_are_kept_within_their_count_the_oldest_dropped_first(clock):
+    from commctx.server.rendezvous.model import Limits
+
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, limits=Limits(retain_ended_jobs=2, retain_ended_s=60))
+    for name in ("j1", "j2", "j3"):
+        a, _ = join(rdzv, params(JobSpec.build(2), "n0", job=name))
+        join(rdzv, params(JobSpec.build(2), "n1", job=name))
+        clock.now += 1
+        rdzv.keep_alive(name, a, 1)
+    clock.now += TTL  # every job loses a member: fewer than the minimum, FAILED; then the other expires too
+    rdzv.expire_due()
+    clock.now += TTL
+    rdzv.expire_due()
+    assert rdzv.job_ids() == ["j2", "j3"]  # j1, the oldest, was dropped to keep two
+    assert rdzv.describe("j3").state is JobState.FAILED
+    clock.now += 60
+    rdzv.expire_due()
+    assert rdzv.job_ids() == []

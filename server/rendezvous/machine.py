@@ -105,7 +105,6 @@ class Rendezvous:
     return `Actions`. The clock is injected.
     """
 
-    FAILED_JOB_TTL_S = 300.0
     # Worlds of more workers are planned off the event loop (a 10,000-worker
     # plan is tens of milliseconds of Python); smaller ones inside the transition.
     PLAN_INLINE_MAX = 2048
@@ -622,8 +621,10 @@ class Rendezvous:
             actions.wakes.append((job.job_id, MemberGone(member_id)))
         if not job.members:
             if job.state is JobState.FAILED:
-                until = self._clock() + self.FAILED_JOB_TTL_S
+                until = self._clock() + self.limits.retain_ended_s
                 self._failed[job.job_id] = (self._view(job.job_id), until)
+                while len(self._failed) > self.limits.retain_ended_jobs:  # the oldest go first
+                    del self._failed[next(iter(self._failed))]
                 self._tombstones.push(until, job.job_id)
             del self._jobs[job.job_id]
             actions.writes.append(DeleteJob(job.job_id))
