@@ -142,6 +142,11 @@ def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grp
             ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
             # Clients ping every 30 s while a Join waits; allow it.
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # Reclaim what nobody uses: a peer that stops answering pings (gone
+            # without a FIN) within 80 s; a connection with no call for 10 min.
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.max_connection_idle_ms", 600_000),
             # A whole job joins at once; gRPC core would cancel calls beyond 3,000 queued.
             ("grpc.server.max_pending_requests", 1 << 17),
             ("grpc.server.max_pending_requests_hard_limit", 1 << 18),
