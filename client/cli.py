@@ -253,6 +253,17 @@ def job_detail(d: pb.JobDescription) -> str:
     return "\n".join(lines)
 
 
+def list_jobs(stub: pb_grpc.RendezvousStub) -> list[pb.JobDescription]:
+    """Every job, page by page."""
+    jobs, token = [], ""
+    while True:
+        page = stub.ListJobs(pb.ListJobsRequest(page_size=1000, page_token=token), timeout=5)
+        jobs.extend(page.jobs)
+        token = page.next_page_token
+        if not token:
+            return jobs
+
+
 def run_status(args: argparse.Namespace) -> int:
     addr, channel = connect(args)
     with channel:
@@ -264,7 +275,7 @@ def run_status(args: argparse.Namespace) -> int:
                     d = stub.DescribeJob(pb.DescribeJobRequest(job_id=args.job, job_secret=secret), timeout=5)
                     text = json_format.MessageToJson(d) if args.json else job_detail(d)
                 else:
-                    jobs = stub.ListJobs(pb.ListJobsRequest(), timeout=5).jobs
+                    jobs = list_jobs(stub)
                     text = json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2) if args.json else job_table(jobs)
             except grpc.RpcError as exc:
                 print(f"{addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)

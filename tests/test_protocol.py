@@ -550,3 +550,20 @@ async def test_limits_name_themselves():
             assert held.assignment.world_size == 1
     finally:
         await s.stop(0)
+
+
+async def test_list_jobs_is_paged(stub):
+    names = [f"job{i:03d}" for i in range(250)]
+    await asyncio.gather(*(stub.Join(join_request(n, 1)) for n in names))
+    seen, token, pages = [], "", 0
+    while True:
+        page = await stub.ListJobs(pb.ListJobsRequest(page_size=100, page_token=token))
+        seen += [j.job_id for j in page.jobs]
+        pages += 1
+        token = page.next_page_token
+        if not token:
+            break
+    assert (seen, pages) == (names, 3)
+    assert len((await stub.ListJobs(pb.ListJobsRequest())).jobs) == 100  # the default page
+    await expect_error(stub.ListJobs(pb.ListJobsRequest(page_size=5000)), Code.INVALID_ARGUMENT,
+                       "page_size 5000 is above the most a page holds, 1000")

@@ -5,6 +5,7 @@ executor, encode. No business logic lives here; every error leaves through
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -14,7 +15,7 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from ..errors import NotFound, Unavailable, WaitTimeout
+from ..errors import InvalidArgument, NotFound, Unavailable, WaitTimeout
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Gone, check_job_id, check_member_id
@@ -22,6 +23,7 @@ from . import codec
 from .auth import ADMIN, Callers
 
 T = TypeVar("T")
+PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -179,8 +181,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         admin = self._callers is not None and self._callers.role(context.invocation_metadata()) == ADMIN
 
         def jobs() -> pb.ListJobsResponse:
-            views = (self._machine.describe(j) for j in self._machine.job_ids())
-            return pb.ListJobsResponse(jobs=[codec.summary_message(v) if v.seal and not admin else codec.description_message(v)
-                                             for v in views])
+            size = request.page_size or PAGE_SIZE
+            if size > MAX_PAGE_SIZE:
+                raise InvalidArgument(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
+            ids = self._machine.job_ids()
+            start = bisect.bisect_right(ids, request.page_token) if request.page_token else 0
+            page = ids[start:start + size]
+            views = (self._machine.describe(j) for j in page)
+            return pb.ListJobsResponse(
+                jobs=[codec.summary_message(v) if v.seal and not admin else codec.description_message(v) for v in views],
+                next_page_token=page[-1] if start + size < len(ids) else "")
 
         return await self._call(context, "ListJobs", jobs)

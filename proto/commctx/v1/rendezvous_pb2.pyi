@@ -358,14 +358,20 @@ class JobDescription(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "next_page_token")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobDescription]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobDescription, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobDescription, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class NodeDescription(_message.Message):
     __slots__ = ("node_key", "address", "workers", "node_rank", "roles")
