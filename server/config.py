@@ -95,6 +95,7 @@ SETTINGS = (
     Setting("max_spec_bytes", _count, "65536", "largest JobSpec a Join may carry, in bytes"),
     Setting("max_spec_rules", _count, "1024", "most roles + group rules + cpu twins + expected nodes a JobSpec may list"),
     Setting("max_join_wait_s", _positive, "3600", "longest a Join waits for its world, whatever wait it asks for"),
+    Setting("max_streams", _count, "200000", "open Session streams at most; another gets RESOURCE_EXHAUSTED (its client retries)"),
     Setting("retain_ended_jobs", _count, "1000", "failed jobs kept after their last worker left, so that DescribeJob can say why; the oldest go first"),
     Setting("retain_ended_s", _positive, "300", "how long such a job is kept"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
@@ -121,6 +122,7 @@ class Config:
     max_spec_bytes: int = 65_536
     max_spec_rules: int = 1024
     max_join_wait_s: float = 3600.0
+    max_streams: int = 200_000
     retain_ended_jobs: int = 1000
     retain_ended_s: float = 300.0
     tls_cert: str = ""

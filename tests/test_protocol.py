@@ -528,7 +528,8 @@ async def test_undecodable_requests_are_invalid_arguments_logged_once(stub, chan
 async def test_limits_name_themselves():
     from commctx.server.rendezvous.model import Limits
 
-    s = await start_server("127.0.0.1", 0, limits=Limits(max_jobs=1, max_spec_bytes=200, max_spec_rules=3, max_join_wait_s=0.3))
+    s = await start_server("127.0.0.1", 0, limits=Limits(max_jobs=1, max_spec_bytes=200, max_spec_rules=3, max_join_wait_s=0.3,
+                                                          max_streams=1))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
             stub = pb_grpc.RendezvousStub(ch)
@@ -548,6 +549,17 @@ async def test_limits_name_themselves():
                                      "maximum of 1 jobs (--max-jobs); job 'another' cannot be created now")
             assert error_info(err) == ("SERVER_FULL", "commctx")
             assert held.assignment.world_size == 1
+            first = stub.Session()
+            await first.write(pb.SessionRequest(job_id="held", member_id=held.member_id, member_secret=held.member_secret))
+            assert (await first.read()).lease_ttl_ms > 0
+            await expect_error(stub.Session().read(), Code.RESOURCE_EXHAUSTED,
+                               "maximum of 1 session streams (--max-streams); retry later")
+            first.cancel()
+            await eventually(lambda: s.servicer._streams == 0, what="the stream is closed")  # noqa: SLF001
+            again = stub.Session()
+            await again.write(pb.SessionRequest(job_id="held", member_id=held.member_id, member_secret=held.member_secret))
+            assert (await again.read()).lease_ttl_ms > 0
+            again.cancel()
     finally:
         await s.stop(0)
 

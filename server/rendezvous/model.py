@@ -86,6 +86,7 @@ class Limits:
     max_spec_bytes: int = 64 * 1024
     max_spec_rules: int = 1024  # roles + group rules + cpu twins + expected nodes
     max_join_wait_s: float = 3600.0
+    max_streams: int = 200_000  # open Session streams
     retain_ended_jobs: int = 1000  # failed jobs kept (after their last worker left) so DescribeJob can say why
     retain_ended_s: float = 300.0  # ... and for how long
 

@@ -15,7 +15,7 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from ..errors import InvalidArgument, NotFound, Unavailable, WaitTimeout
+from ..errors import InvalidArgument, LimitExceeded, NotFound, Unavailable, WaitTimeout
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Gone, check_job_id, check_member_id
@@ -33,6 +33,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                  rpc_error: Callable[[str, str], None] = lambda method, code: None, callers: Callers | None = None) -> None:
         self._machine = machine
         self._callers = callers
+        self._streams = 0  # open Session calls
         self._executor = executor
         self._waiters = waiters
         self._rpc_error = rpc_error
@@ -96,6 +97,18 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return "the job is gone"
 
     async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> None:
+        limit = self._machine.limits.max_streams
+        if self._streams >= limit:
+            await self._abort(context, "Session", LimitExceeded(
+                f"this server holds its maximum of {limit} session streams (--max-streams); retry later"))
+            return
+        self._streams += 1
+        try:
+            await self._session(context)
+        finally:
+            self._streams -= 1
+
+    async def _session(self, context: grpc.aio.ServicerContext) -> None:
         # The first message names the member; every message renews its lease.
         # Events the executor puts in the member's sink are written as they
         # come (through context.read/write, so `requests` is not iterated).
