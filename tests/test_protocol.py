@@ -579,3 +579,17 @@ async def test_list_jobs_is_paged(stub):
     assert len((await stub.ListJobs(pb.ListJobsRequest())).jobs) == 100  # the default page
     await expect_error(stub.ListJobs(pb.ListJobsRequest(page_size=5000)), Code.INVALID_ARGUMENT,
                        "page_size 5000 is above the most a page holds, 1000")
+
+
+async def test_a_retried_join_takes_over_from_the_call_it_retries(stub):
+    mid, secret = "cd" * 16, "9a" * 16
+    request = join_request("retry", 2, "n", 0, member_id=mid, member_secret=secret)
+    first = asyncio.ensure_future(stub.Join(request))
+    await eventually(lambda: _joined(stub, "retry", 1), what="the first call waits")
+    second = asyncio.ensure_future(stub.Join(request))  # the same worker, retrying (its first call looked lost)
+    await expect_error(first, Code.FAILED_PRECONDITION, f"a later Join call for member {mid} of job 'retry' took over this one")
+    assert (await stub.DescribeJob(pb.DescribeJobRequest(job_id="retry"))).joined == 1  # not withdrawn with the old call
+    other = await stub.Join(join_request("retry", 2, "m", 1))
+    placed = await second
+    assert (placed.member_id, placed.member_secret) == (mid, secret)
+    assert {placed.assignment.rank, other.assignment.rank} == {0, 1}

@@ -52,7 +52,13 @@ class Waiters:
         Conflict, or TimeoutError after `timeout_s`."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[NewWorld] = loop.create_future()
-        self._by_job.setdefault(job_id, {})[member_id] = future
+        waiting = self._by_job.setdefault(job_id, {})
+        earlier = waiting.get(member_id)
+        if earlier is not None:  # a retried Join took over: the earlier call is answered now, not left to time out
+            self._live -= 1
+            if not earlier.done():
+                earlier.set_exception(Conflict(f"a later Join call for member {member_id} of job {job_id!r} took over this one"))
+        waiting[member_id] = future
         self._live += 1
         if timeout_s is not None:
             at = loop.time() + timeout_s
@@ -70,6 +76,10 @@ class Waiters:
                 del self._by_job[job_id]
         if len(self._deadlines) > 2 * self._live + 1024:  # answered waits' deadlines: drop them, not hold them for the timeout
             self._deadlines.keep(self._waiting)
+
+    def waiting(self, job_id: str, member_id: str) -> bool:
+        """Whether a Join call waits for this member."""
+        return member_id in self._by_job.get(job_id, {})
 
     def _waiting(self, key: tuple[str, str, int]) -> bool:
         future = self._by_job.get(key[0], {}).get(key[1])

@@ -87,7 +87,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         finally:  # a no-op once placed; before that, a caller that went away is withdrawn
             if waiter is not None:
                 self._waiters.discard(job_id, member_id, waiter)
-            self._executor.submit(self._machine.withdraw(job_id, member_id))
+            if not self._waiters.waiting(job_id, member_id):  # unless a later call for the member took over
+                self._executor.submit(self._machine.withdraw(job_id, member_id))
         await self._abort(context, "Join", error)
 
     def _why_waiting(self, job_id: str) -> str:
