@@ -9,6 +9,7 @@ exits 1. Settings: see server/config.py or `commctx-server --help`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -67,10 +68,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         config.host, config.port, lease_ttl_s=config.lease_ttl_s,
         health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True, tls=tls,
         callers=callers,
-        limits=Limits(max_jobs=config.max_jobs, max_members=config.max_members, max_spec_bytes=config.max_spec_bytes,
-                      max_spec_rules=config.max_spec_rules, max_join_wait_s=config.max_join_wait_s,
-                      max_streams=config.max_streams, retain_ended_jobs=config.retain_ended_jobs,
-                      retain_ended_s=config.retain_ended_s),
+        limits=Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)}),  # same names as the settings
     )
     print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
     if server.health_port is not None:

@@ -238,6 +238,20 @@ def test_a_plan_for_a_job_that_changed_meanwhile_is_dropped(clock):
     assert [o for _, o in actions.wakes] == [JobStopped("job 'job' cannot form: no seat")]
 
 
+def plan_now(rdzv: Rendezvous, request) -> Actions:
+    """What the executor does for a plan request: plan in full, hand the plan back."""
+    return rdzv.planned(request, plan_world(request.candidates, request.spec))
+
+
+def renew_only(rdzv: Rendezvous, clock: FakeClock, alive, generation: int = 1) -> Actions:
+    """0.7 TTL on, `alive` renew; 0.4 TTL more: every other placed member's lease has run out."""
+    clock.now += TTL * 0.7
+    for mid in alive:
+        rdzv.renew("job", mid, generation)
+    clock.now += TTL * 0.4
+    return rdzv.expire_due()[0]
+
+
 def test_a_big_world_re_forms_with_one_message_per_survivor(clock):
     rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, plan_inline_max=2)
     spec = elastic(4, 2, last_call_ms=5000)
@@ -246,16 +260,12 @@ def test_a_big_world_re_forms_with_one_message_per_survivor(clock):
         mid, actions = join(rdzv, params(spec, f"n{n}"))
         ids.append(mid)
     (request,) = actions.plans
-    rdzv.planned(request, plan_world(request.candidates, request.spec))
+    plan_now(rdzv, request)
     sinks = sessions(rdzv, ids)
-    clock.now += TTL * 0.7
-    for mid in ids[:3]:
-        rdzv.renew("job", mid, 1)  # ids[3] falls silent
-    clock.now += TTL * 0.4
-    actions, _ = rdzv.expire_due()
+    actions = renew_only(rdzv, clock, ids[:3])  # ids[3] falls silent
     (request,) = actions.plans  # three survivors: planned off the loop ...
     assert [s for s, _ in actions.pushes] == [sinks[ids[3]]]  # its own Gone; survivors hear nothing yet: the assignment is the news
-    actions = rdzv.planned(request, plan_world(request.candidates, request.spec))
+    actions = plan_now(rdzv, request)
     (world,) = worlds(actions)
     assert world.generation == 2 and all(pushed(actions, sinks[m]) == [world] for m in ids[:3])
 
@@ -270,18 +280,14 @@ def test_survivors_hear_of_a_wait_that_began_while_their_world_was_planned(clock
     clock.now += 5.0  # the last call closes: a world of 3
     actions, _ = rdzv.expire_due()
     (request,) = actions.plans
-    rdzv.planned(request, plan_world(request.candidates, request.spec))
+    plan_now(rdzv, request)
     sinks = sessions(rdzv, ids)
-    clock.now += TTL * 0.7
-    for mid in ids[:2]:
-        rdzv.renew("job", mid, 1)
-    clock.now += TTL * 0.4
-    actions, _ = rdzv.expire_due()  # ids[2] expires
+    actions = renew_only(rdzv, clock, ids[:2])  # ids[2] expires
     (request,) = actions.plans
     assert [s for s, _ in actions.pushes] == [sinks[ids[2]]]
     _, actions = join(rdzv, params(spec, "n3"))  # a newcomer opens a last call: the plan in flight is stale
     assert not actions.pushes and not actions.plans
-    actions = rdzv.planned(request, plan_world(request.candidates, request.spec))
+    actions = plan_now(rdzv, request)
     change = WorldChange(1, f"member {ids[2]} (node 'n2', rank 2) expired")
     assert not worlds(actions) and all(pushed(actions, sinks[m]) == [change] for m in ids[:2])
     assert rdzv.describe("job").state is JobState.FORMING
