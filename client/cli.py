@@ -206,6 +206,8 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
     add_connection_arguments(p)
     p.add_argument("--job", help="describe this job in detail")
     p.add_argument("--job-secret", default=None, help="the job's secret, if it is sealed (default COMMCTX_JOB_SECRET)")
+    p.add_argument("--nodes", type=int, default=1000, metavar="N",
+                   help="with --job: list at most N nodes (default 1000; 0: all, read page by page)")
     p.add_argument("--watch", action="store_true", help="repeat every --interval seconds until interrupted")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -224,7 +226,7 @@ def job_table(jobs: Sequence[pb.JobDescription]) -> str:
     rows = [("JOB", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "REASON")]
     for d in jobs:
         rows.append((d.job_id, _STATE.get(d.state, "?"), str(d.generation), f"{d.joined}/{d.spec.world_size}",
-                     str(d.missing), str(len(d.nodes)), f"{d.forming_for_s:.0f}s", d.reason))
+                     str(d.missing), str(d.num_nodes), f"{d.forming_for_s:.0f}s", d.reason))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     if len(rows) == 1:
         return "no jobs"
@@ -250,7 +252,23 @@ def job_detail(d: pb.JobDescription) -> str:
     rows += [(str(n.node_rank) if formed else "", n.node_key, n.address, str(n.workers), _role_counts(n)) for n in d.nodes]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).strip() for r in rows]
+    if d.num_nodes > len(d.nodes):
+        lines.append(f"... {d.num_nodes - len(d.nodes)} more nodes (--nodes 0 lists them all)")
     return "\n".join(lines)
+
+
+def describe_job(stub: pb_grpc.RendezvousStub, job_id: str, secret: str, max_nodes: int) -> pb.JobDescription:
+    """The job with its first `max_nodes` nodes (0: all), read page by page."""
+    def page(size: int, token: str = "") -> pb.JobDescription:
+        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id, job_secret=secret, node_page_size=size,
+                                                      node_page_token=token), timeout=10)
+
+    d = page(min(max_nodes or 10_000, 10_000))
+    while d.next_node_page_token and (not max_nodes or len(d.nodes) < max_nodes):
+        more = page(min(max_nodes - len(d.nodes) if max_nodes else 10_000, 10_000), d.next_node_page_token)
+        d.nodes.extend(more.nodes)
+        d.next_node_page_token = more.next_node_page_token
+    return d
 
 
 def list_jobs(stub: pb_grpc.RendezvousStub) -> list[pb.JobDescription]:
@@ -272,7 +290,7 @@ def run_status(args: argparse.Namespace) -> int:
             try:
                 if args.job:
                     secret = args.job_secret or os.environ.get("COMMCTX_JOB_SECRET", "")
-                    d = stub.DescribeJob(pb.DescribeJobRequest(job_id=args.job, job_secret=secret), timeout=5)
+                    d = describe_job(stub, args.job, secret, max(args.nodes, 0))
                     text = json_format.MessageToJson(d) if args.json else job_detail(d)
                 else:
                     jobs = list_jobs(stub)

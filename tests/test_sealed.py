@@ -65,7 +65,7 @@ async def test_a_sealed_job_admits_and_shows_itself_only_to_its_secret(stub):
     # ListJobs: the sealed job as id and state only; the open one in full.
     listed = {j.job_id: j for j in (await stub.ListJobs(pb.ListJobsRequest())).jobs}
     assert listed["ppo"] == pb.JobDescription(job_id="ppo", state=pb.JobDescription.FORMED)
-    assert listed["open"].nodes and listed["open"].spec.world_size == 1
+    assert (listed["open"].num_nodes, listed["open"].spec.world_size) == (1, 1)
 
 
 async def test_an_admin_token_sees_sealed_jobs_in_full(tmp_path):
@@ -82,8 +82,8 @@ async def test_an_admin_token_sees_sealed_jobs_in_full(tmp_path):
             await stub.Join(join_request("sealed", 1, job_secret=SECRET), metadata=bearer("user-0123456789"))
             as_user = (await stub.ListJobs(pb.ListJobsRequest(), metadata=bearer("user-0123456789"))).jobs
             as_admin = (await stub.ListJobs(pb.ListJobsRequest(), metadata=bearer("ops-0123456789"))).jobs
-            assert [(j.job_id, len(j.nodes)) for j in as_user] == [("sealed", 0)]
-            assert [(j.job_id, len(j.nodes), j.spec.world_size) for j in as_admin] == [("sealed", 1, 1)]
+            assert [(j.job_id, j.num_nodes) for j in as_user] == [("sealed", 0)]
+            assert [(j.job_id, j.num_nodes, j.spec.world_size) for j in as_admin] == [("sealed", 1, 1)]
     finally:
         await server.stop(0)
 

@@ -40,6 +40,7 @@ reaper pops only what is due.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 import math
@@ -48,7 +49,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..errors import AlreadyExists, Conflict, JobFull, LimitExceeded, NotFound, PermissionDenied, StaleGeneration
-from ..planning import PlanError, WorldPlan, build_plan, elide, node_sort_key, plan_world
+from ..planning import PlanError, WorldPlan, build_plan, elide, plan_world
 from .deadlines import Deadlines
 from .model import (
     Gone,
@@ -217,6 +218,7 @@ class Rendezvous:
         if p.local_rank is not None:
             node.local_ranks[p.local_rank] = member_id
         node.workers += 1
+        node.roles[p.role] = node.roles.get(p.role, 0) + 1
         job.role_counts[p.role] = job.role_counts.get(p.role, 0) + 1
         job.version += 1
         member = job.members[member_id] = Member(node, p, seq)
@@ -606,6 +608,7 @@ class Rendezvous:
         job.suspects.discard(member_id)
         node = job.nodes[member.node_key]
         node.workers -= 1
+        node.roles[member.role] -= 1
         job.role_counts[member.role] -= 1
         if member.local_rank is not None:
             node.local_ranks.pop(member.local_rank, None)
@@ -622,7 +625,7 @@ class Rendezvous:
         if not job.members:
             if job.state is JobState.FAILED:
                 until = self._clock() + self.limits.retain_ended_s
-                self._failed[job.job_id] = (self._view(job.job_id), until)
+                self._failed[job.job_id] = (self._view(job), until)
                 while len(self._failed) > self.limits.retain_ended_jobs:  # the oldest go first
                     del self._failed[next(iter(self._failed))]
                 self._tombstones.push(until, job.job_id)
@@ -696,35 +699,47 @@ class Rendezvous:
             return None
         return NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
 
-    def describe(self, job_id: str, secret: str | None = None) -> JobView:
-        """The job as DescribeJob reports it; for a sealed job, given its
-        secret (None: not checked, for operators and the server itself).
+    def describe(self, job_id: str, secret: str | None = None, first_node: int = 0, max_nodes: int | None = None) -> JobView:
+        """The job as DescribeJob reports it, with nodes [first_node, first_node
+        + max_nodes) of its order; for a sealed job, given its secret (None: not
+        checked, for operators and the server itself). Costs O(max_nodes), plus
+        one sort of the nodes after each change of who is in the job.
 
         Raises:
             NotFound: an unknown job.
             PermissionDenied: the job is sealed and `secret` does not open it.
         """
-        view = self._view(job_id)
+        job = self._jobs.get(job_id)
+        if job is None and job_id in self._failed:
+            view = self._failed[job_id][0]
+        else:
+            view = self._view(self._job(job_id), first_node, max_nodes)
         if secret is not None and not job_secret_matches(view.seal, secret):
             raise PermissionDenied(f"job {job_id!r} is sealed: give its job_secret to describe it")
+        if job is None and (first_node or max_nodes is not None):
+            view = dataclasses.replace(view, nodes=view.nodes[first_node:None if max_nodes is None else first_node + max_nodes])
         return view
 
-    def _view(self, job_id: str) -> JobView:
-        if job_id not in self._jobs and job_id in self._failed:
-            return self._failed[job_id][0]
-        job = self._job(job_id)
-        roles: dict[str, dict[str, int]] = {}
-        for m in job.members.values():
-            per_node = roles.setdefault(m.node_key, {})
-            per_node[m.role] = per_node.get(m.role, 0) + 1
+    @staticmethod
+    def _node_order(job: Job) -> tuple[list[str], dict[str, int]]:
+        """The job's node keys in DescribeJob's order (the formed world's in node-rank
+        order, then the rest in the order they joined), and the formed world's node
+        ranks. Linear, and cached until the job changes."""
+        key = (job.version, job.generation, job.state)
+        if job.node_order is None or job.node_order[0] != key:
+            ranked = {n.node_key: n.node_rank for n in job.plan.nodes} if job.state is JobState.FORMED else {}
+            order = [k for k in ranked if k in job.nodes] + [k for k in job.nodes if k not in ranked]
+            job.node_order = (key, order, ranked)
+        return job.node_order[1], job.node_order[2]
+
+    def _view(self, job: Job, first_node: int = 0, max_nodes: int | None = None) -> JobView:
         formed = job.state is JobState.FORMED
-        ranked = {n.node_key: n.node_rank for n in job.plan.nodes} if formed else {}
-        keys = sorted(job.nodes, key=lambda k: (ranked.get(k, math.inf), node_sort_key(k)))
-        nodes = tuple(
-            NodeView(k, job.nodes[k].address, job.nodes[k].workers,
-                     ranked.get(k) if formed else job.nodes[k].node_rank, tuple(sorted(roles.get(k, {}).items())))
-            for k in keys
-        )
+        order, ranked = self._node_order(job)
+        nodes = []
+        for k in order[first_node:None if max_nodes is None else first_node + max_nodes]:
+            node = job.nodes[k]
+            rank = ranked.get(k) if formed else node.node_rank
+            nodes.append(NodeView(k, node.address, node.workers, rank, tuple(sorted((r, c) for r, c in node.roles.items() if c))))
         if job.state in (JobState.FAILED, JobState.ENDED):
             reason = job.reason
         elif formed:
@@ -741,9 +756,10 @@ class Rendezvous:
             spec=job.spec,
             joined=len(job.members),
             missing=max(job.spec.min_world - len(job.members), 0) if job.state is JobState.FORMING else 0,
-            nodes=nodes,
+            nodes=tuple(nodes),
             reason=reason,
             forming_for_s=self._clock() - job.forming_since,
+            num_nodes=len(job.nodes),
             missing_nodes=tuple(k for k in job.spec.expected_nodes if k not in job.nodes),
             waiting=len(job.members) - job.placed if formed else 0,
             not_ready=len(job.suspects),

@@ -269,7 +269,7 @@ class Member:
 
 
 class Node:
-    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers")
+    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers", "roles")
 
     def __init__(self, key: str, address: str) -> None:
         self.key = key
@@ -277,13 +277,14 @@ class Node:
         self.node_rank: int | None = None
         self.local_ranks: dict[int, str] = {}  # explicit local rank -> member id
         self.workers = 0
+        self.roles: dict[str, int] = {}  # workers per role
 
 
 class Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
-        "last_call_armed", "version", "planning", "seal",
+        "last_call_armed", "version", "planning", "seal", "node_order",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -308,6 +309,7 @@ class Job:
         self.version = 0  # bumped whenever who is in the job, or a member's port, changes
         self.planning = -1  # the version a plan is being computed for off the loop, or -1
         self.seal = ""  # digest of the job secret ("": an open job)
+        self.node_order: tuple[tuple[int, int, JobState], list[str], dict[str, int]] | None = None  # Rendezvous._node_order
 
     def in_world(self, member_id: str) -> bool:
         """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""
@@ -347,9 +349,10 @@ class JobView:
     spec: JobSpec
     joined: int
     missing: int
-    nodes: tuple[NodeView, ...]
+    nodes: tuple[NodeView, ...]  # a page of them (DescribeJob), in node-rank order once formed, else by key
     reason: str
     forming_for_s: float
+    num_nodes: int = 0  # nodes present; `nodes` may hold a page of them
     missing_nodes: tuple[str, ...] = ()  # expected node keys not present
     waiting: int = 0  # joined a formed world, wait for the next generation
     not_ready: int = 0  # re-forming: survivors awaited before the next world can form

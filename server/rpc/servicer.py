@@ -18,12 +18,14 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from ..errors import InvalidArgument, LimitExceeded, NotFound, Unavailable, WaitTimeout
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
+from ..planning import elide
 from ..rendezvous.model import Gone, check_job_id, check_member_id
 from . import codec
 from .auth import ADMIN, Callers
 
 T = TypeVar("T")
 PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
+NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000  # DescribeJob: a node is < 200 bytes, a reply < 2 MiB
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -187,9 +189,18 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         return pb.LeaveResponse()
 
     async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription:
-        return await self._call(
-            context, "DescribeJob",
-            lambda: codec.description_message(self._machine.describe(check_job_id(request.job_id), request.job_secret)))
+        def describe() -> pb.JobDescription:
+            size = request.node_page_size or NODE_PAGE_SIZE
+            if size > MAX_NODE_PAGE_SIZE:
+                raise InvalidArgument(f"node_page_size {size} is above the most a reply holds, {MAX_NODE_PAGE_SIZE}")
+            token = request.node_page_token
+            if token and not (token.isdigit() and token.isascii() and len(token) <= 9):
+                raise InvalidArgument(f"node_page_token {elide(token)} is not a token DescribeJob gave")
+            first = int(token or 0)
+            view = self._machine.describe(check_job_id(request.job_id), request.job_secret, first, size)
+            return codec.description_message(view, str(first + size) if first + size < view.num_nodes else "")
+
+        return await self._call(context, "DescribeJob", describe)
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         admin = self._callers is not None and self._callers.role(context.invocation_metadata()) == ADMIN
@@ -201,7 +212,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             ids = self._machine.job_ids()
             start = bisect.bisect_right(ids, request.page_token) if request.page_token else 0
             page = ids[start:start + size]
-            views = (self._machine.describe(j) for j in page)
+            views = (self._machine.describe(j, max_nodes=0) for j in page)
             return pb.ListJobsResponse(
                 jobs=[codec.summary_message(v) if v.seal and not admin else codec.description_message(v) for v in views],
                 next_page_token=page[-1] if start + size < len(ids) else "")

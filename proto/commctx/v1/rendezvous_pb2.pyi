@@ -310,15 +310,19 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeJobRequest(_message.Message):
-    __slots__ = ("job_id", "job_secret")
+    __slots__ = ("job_id", "job_secret", "node_page_size", "node_page_token")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    NODE_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_secret: str
-    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ...) -> None: ...
+    node_page_size: int
+    node_page_token: str
+    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., node_page_size: _Optional[int] = ..., node_page_token: _Optional[str] = ...) -> None: ...
 
 class JobDescription(_message.Message):
-    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready")
+    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready", "num_nodes", "next_node_page_token")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[JobDescription.State]
@@ -343,6 +347,8 @@ class JobDescription(_message.Message):
     MISSING_NODES_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     NOT_READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_NODE_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobDescription.State
     generation: int
@@ -355,7 +361,9 @@ class JobDescription(_message.Message):
     missing_nodes: _containers.RepeatedScalarFieldContainer[str]
     waiting: int
     not_ready: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ...) -> None: ...
+    num_nodes: int
+    next_node_page_token: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ..., num_nodes: _Optional[int] = ..., next_node_page_token: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("page_size", "page_token")

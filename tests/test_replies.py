@@ -1,0 +1,86 @@
+"""Replies stay bounded however big a job is: DescribeJob pages a job's nodes,
+ListJobs leaves them out, and `commctx status` reads a 100,000-member job.
+
+The big job is entered through the server's own state machine (100,000 gRPC
+Joins would take this test a minute); everything read back goes over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from commctx.server.rendezvous.model import JoinParams
+from commctx.server.planning import JobSpec
+from commctx.v1 import rendezvous_pb2 as pb
+
+from .conftest import eventually, join_request
+
+BIG = 100_000
+
+
+def fill(server, job_id: str, members: int) -> None:
+    """`members` workers, one per node, joined as a Join would (without waiting in one)."""
+    spec = JobSpec.build(world_size=members)
+    for i in range(members):
+        _, actions, _ = server.machine.join(JoinParams.build(
+            job_id=job_id, spec=spec, node_key=f"host{i}", address=f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", port=29500))
+        server.executor.submit(actions)
+
+
+async def test_describe_job_pages_nodes_in_node_rank_order(server, stub):
+    fill(server, "wide", 25)
+    await eventually(lambda: server.machine.describe("wide").state.name == "FORMED", what="the world forms")
+    seen, token, pages = [], "", 0
+    while True:
+        d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="wide", node_page_size=10, node_page_token=token))
+        assert (d.num_nodes, d.joined, d.generation) == (25, 25, 1) and len(d.nodes) <= 10
+        seen += [(n.node_rank, n.node_key, n.workers) for n in d.nodes]
+        pages, token = pages + 1, d.next_node_page_token
+        if not token:
+            break
+    assert pages == 3 and [r for r, _, _ in seen] == list(range(25))  # every node once, in node-rank order
+    assert sorted(k for _, k, _ in seen) == sorted(f"host{i}" for i in range(25)) and {w for _, _, w in seen} == {1}
+
+    listed = (await stub.ListJobs(pb.ListJobsRequest())).jobs
+    assert [(j.job_id, j.num_nodes, len(j.nodes)) for j in listed] == [("wide", 25, 0)]
+
+    for bad, what in ((pb.DescribeJobRequest(job_id="wide", node_page_size=10_001), "node_page_size 10001"),
+                      (pb.DescribeJobRequest(job_id="wide", node_page_token="-1"), "node_page_token '-1'"),
+                      (pb.DescribeJobRequest(job_id="wide", node_page_token="x" * 5000), "node_page_token 'xxx")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.DescribeJob(bad)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and what in err.value.details()
+        assert len(err.value.details()) < 300
+
+
+async def test_status_reads_a_job_of_100k_members(server, stub):
+    started = time.monotonic()
+    fill(server, "huge", BIG)
+    await eventually(lambda: server.machine.describe("huge").state.name == "FORMED", timeout_s=120, what="100k world")
+    filled = time.monotonic() - started
+
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="huge"))
+    assert (d.joined, d.num_nodes, len(d.nodes), d.next_node_page_token) == (BIG, BIG, 1000, "1000")
+    assert d.ByteSize() < 100_000  # a page of 1,000 nodes; gRPC refuses replies over 4 MiB
+
+    args = ["commctx", "status", "--addr", f"127.0.0.1:{server.port}", "--job", "huge"]
+    shown = await asyncio.to_thread(subprocess.run, args, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith(f"job huge: formed, generation 1, {BIG} of {BIG} workers joined")
+    assert lines[-1] == f"... {BIG - 1000} more nodes (--nodes 0 lists them all)"
+    every = await asyncio.to_thread(subprocess.run, [*args, "--nodes", "0"], capture_output=True, text=True, timeout=60)
+    assert every.returncode == 0, every.stderr
+    rows = [line.split() for line in every.stdout.splitlines()[2:]]
+    assert len(rows) == BIG and [int(r[0]) for r in rows] == list(range(BIG))
+    table = await asyncio.to_thread(subprocess.run, args[:4], capture_output=True, text=True, timeout=60)
+    assert table.stdout.splitlines()[1].split()[:6] == ["huge", "formed", "1", f"{BIG}/{BIG}", "0", str(BIG)]
+
+    # A healthy small job beside it is served as usual.
+    small = await stub.Join(join_request("small", 1))
+    assert small.assignment.world_size == 1
+    print(f"100k members entered and formed in {filled:.1f} s")
