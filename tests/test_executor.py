@@ -13,7 +13,7 @@ from commctx.server.errors import NotFound, Unavailable
 from commctx.server.planning import JobSpec
 from commctx.server.rendezvous.executor import Executor, Waiters
 from commctx.server.rendezvous.machine import Rendezvous
-from commctx.server.rendezvous.model import JoinParams, MemberGone, NewWorld
+from commctx.server.rendezvous.model import JobState, JoinParams, MemberGone, NewWorld
 from commctx.server.rendezvous.store import Fenced, MemoryStore, StoreError
 
 from .conftest import eventually
@@ -96,14 +96,27 @@ async def test_actions_are_carried_out_in_submission_order_and_commits_are_group
     assert [n.event for n in rig.notes] == ["join"] * 50 + ["formed"]
 
 
-async def test_a_failing_store_holds_announcements_until_a_write_succeeds(rig):
-    rig.store.failures = 3
-    _, wa = rig.join("j", 1)
-    await eventually(lambda: rig.store.failures == 0)
-    world = await asyncio.wait_for(wa, 5)
-    assert world.generation == 1
-    assert [type(e) for e in rig.store_errors] == [StoreError, type(None)]  # failing once, then recovered
-    assert [j.job_id for j in rig.store.load()] == ["j"]
+async def test_a_failing_store_refuses_waits_at_once_and_forms_no_world_until_it_recovers(rig):
+    rig.store.failures = 10**9  # the disk is full until further notice
+    a, wa = rig.join("j", 1)  # its world formed in memory; the commit that would announce it fails
+    with pytest.raises(Unavailable, match=r"cannot write its state \(disk full \(simulated\)\); retry"):
+        await asyncio.wait_for(wa, 5)  # at once, not at the 30 s timeout
+    assert [type(e) for e in rig.store_errors] == [StoreError]
+
+    k1, wk1 = rig.join("k", 2, "n1")
+    k2, wk2 = rig.join("k", 2, "n2")  # complete, but no world forms while nothing can be written
+    await asyncio.sleep(0.1)
+    view = rig.machine.describe("k")
+    assert view.state is JobState.FORMING and view.generation == 0 and not wk1.done() and not wk2.done()
+    assert view.reason.startswith("held: the server cannot write its state (disk full (simulated))")
+    with pytest.raises(Unavailable):  # a Leave is not answered OK before it is durable
+        await asyncio.wait_for(rig.executor.carry_out(rig.machine.leave("j", a)), 5)
+
+    rig.store.failures = 0
+    worlds = await asyncio.wait_for(asyncio.gather(wk1, wk2), 5)
+    assert {(w.generation, tuple(sorted(w.plan.ranks.values()))) for w in worlds} == {(1, (0, 1))}
+    assert [type(e) for e in rig.store_errors] == [StoreError, type(None)]
+    assert [(j.job_id, j.state, j.generation) for j in rig.store.load()] == [("k", "formed", 1)]  # j's leave, retried
 
 
 async def test_a_fenced_executor_stops_and_ends_every_wait():

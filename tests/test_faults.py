@@ -4,6 +4,7 @@ on its state, a host's link cut, and a join storm."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import subprocess
@@ -188,3 +189,63 @@ async def test_join_storm_with_disconnects_and_rejoins():
             assert (d.state, d.joined, d.generation) == (pb.JobDescription.FORMED, world, 1)
     finally:
         await server.stop(0)
+
+
+def test_a_full_disk_refuses_answers_it_cannot_make_durable(tmp_path):
+    """The state directory is a 2 MiB tmpfs that a filler file fills. A Join
+    whose world formed in the failing commit hears UNAVAILABLE at once; a job
+    that completes meanwhile stays FORMING (DescribeJob says why); health is
+    NOT_SERVING. Once space is freed the held job forms and health recovers."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    state = tmp_path / "state"
+    state.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(state)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs (needs root)")
+    server = None
+    try:
+        server = Server("127.0.0.1", "--state-dir", str(state), "--lease-ttl-s", "5", health=True)
+        with grpc.insecure_channel(server.address) as ch, grpc.insecure_channel(server.health_address) as hch:
+            stub, health = pb_grpc.RendezvousStub(ch), health_pb2_grpc.HealthStub(hch)
+
+            def serving() -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service="commctx.v1.Rendezvous"), timeout=5).status
+
+            def join(job: str, world: int, node: str, **kw):
+                return stub.Join.future(pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=world), node_key=node,
+                                                       address="127.0.0.1", master_port=9, wait_timeout_ms=30_000), **kw)
+
+            assert join("before", 1, "n").result(10).assignment.generation == 1
+            with open(state / "filler", "wb") as f:  # fill the disk
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                join("solo", 1, "n").result(30)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE and "cannot write its state" in refused.value.details()
+            assert time.monotonic() - started < 5  # at once, not at the 30 s wait
+            assert serving() == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            held = [join("held", 2, "a"), join("held", 2, "b")]
+            deadline = time.monotonic() + 10
+            while describe(server.address, "held").joined < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            d = describe(server.address, "held")
+            assert (d.state, d.joined, d.generation) == (pb.JobDescription.FORMING, 2, 0)
+            assert d.reason.startswith("held: the server cannot write its state") and not any(h.done() for h in held)
+
+            os.unlink(state / "filler")
+            assert sorted(h.result(15).assignment.rank for h in held) == [0, 1]
+            deadline = time.monotonic() + 10
+            while serving() != health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert serving() == health_pb2.HealthCheckResponse.SERVING
+            assert describe(server.address, "held").state == pb.JobDescription.FORMED
+    finally:
+        if server is not None:
+            server.stop()
+        subprocess.run(["umount", str(state)], check=True)

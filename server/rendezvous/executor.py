@@ -25,9 +25,8 @@ import math
 from collections.abc import Callable
 
 from ..errors import Conflict, NotFound, Unavailable
-from ..planning import PlanError, WorldPlan, plan_world
 from .deadlines import Deadlines
-from .machine import Actions, Rendezvous
+from .machine import Actions, Rendezvous, plan_or_error
 from .model import JobStopped, MemberGone, NewWorld, Note, PlanRequest, WaitOutcome
 from .store import Fenced, Store, StoreError
 
@@ -84,6 +83,19 @@ class Waiters:
     def _waiting(self, key: tuple[str, str, int]) -> bool:
         future = self._by_job.get(key[0], {}).get(key[1])
         return future is not None and id(future) == key[2]
+
+    def refuse(self, job_id: str, outcome: WaitOutcome, exc: Exception) -> None:
+        """Ends with `exc` the waits `outcome` would have ended."""
+        waiting = self._by_job.get(job_id, {})
+        if isinstance(outcome, MemberGone):
+            futures = [waiting.get(outcome.member_id)]
+        elif isinstance(outcome, JobStopped):
+            futures = list(waiting.values())
+        else:
+            futures = [f for mid, f in waiting.items() if mid in outcome.plan.ranks]
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(exc)
 
     def fail_all(self, exc: Exception) -> None:
         """Ends every wait with `exc` (the server can no longer answer them)."""
@@ -162,6 +174,7 @@ class Executor:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._failing = False
+        self._failing_why = ""
         self._busy = False  # a batch is being carried out
         self._planning: set[asyncio.Task] = set()
         self.fenced: Fenced | None = None
@@ -198,7 +211,13 @@ class Executor:
 
     async def carry_out(self, actions: Actions) -> None:
         """Queues a transition's actions and returns once they are carried out
-        (its writes durable). For answers that must not outrun the store."""
+        (its writes durable). For answers that must not outrun the store.
+
+        Raises:
+            Unavailable: the writes failed, or another server took the store over.
+        """
+        if self.fenced is not None:
+            raise Unavailable(f"this server no longer owns its store ({self.fenced}); retry: another server serves it")
         done = asyncio.get_running_loop().create_future()
         self._queue.append((actions, done))
         self._ready.set()
@@ -221,6 +240,7 @@ class Executor:
                 if writes and not await self._commit(writes):
                     if self.fenced is not None:
                         return
+                    self._refuse(batch)
                     await asyncio.sleep(self._retry_s)  # the disk may free up; nothing is announced meanwhile
                     continue
                 for _ in batch:
@@ -242,14 +262,22 @@ class Executor:
                         done.set_result(None)
                 self._busy = False
 
+    def _refuse(self, batch: list[tuple[Actions, asyncio.Future[None] | None]]) -> None:
+        """The batch's writes failed: the Join calls it would wake and the calls
+        awaiting it (Leave, a re-attaching Join) hear UNAVAILABLE now, not at
+        their timeouts. The writes stay queued and are retried, announcing nothing."""
+        error = Unavailable(f"the server cannot write its state ({self._failing_why}); retry")
+        for actions, done in batch:
+            for job_id, outcome in actions.wakes:
+                self._waiters.refuse(job_id, outcome, error)
+            if done is not None and not done.done():
+                done.set_exception(error)
+
     async def _plan(self, request: PlanRequest) -> None:
         """Plans a big world in a worker thread (the event loop keeps running:
         the thread gives up the GIL every few milliseconds) and hands the result
         to the state machine."""
-        try:
-            plan: WorldPlan | PlanError = await asyncio.to_thread(plan_world, request.candidates, request.spec)
-        except PlanError as exc:
-            plan = exc
+        plan = await asyncio.to_thread(plan_or_error, request.candidates, request.spec)
         self.submit(self._machine.planned(request, plan))
 
     async def _commit(self, writes: list) -> bool:
@@ -269,15 +297,18 @@ class Executor:
             self._on_fenced(exc)
             return False
         except StoreError as exc:
-            if not self._failing:  # once per outage: the log and the health status
+            self._failing_why = str(exc)
+            if not self._failing:  # once per outage: the log, the health status, the hold on new worlds
                 self._failing = True
                 log.error("store_failed", extra={"fields": {"reason": str(exc)}})
                 self._on_store_error(exc)
+                self._machine.hold_worlds(str(exc))
             return False
         if self._failing:
             self._failing = False
             log.warning("store_recovered")
             self._on_store_error(None)
+            self.submit(self._machine.hold_worlds(None))
         return True
 
     # -- deadlines -----------------------------------------------------------------

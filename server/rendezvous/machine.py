@@ -43,13 +43,14 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import logging
 import math
 import os
 import time
 from collections.abc import Callable, Iterable
 
 from ..errors import AlreadyExists, Conflict, JobFull, LimitExceeded, NotFound, PermissionDenied, StaleGeneration
-from ..planning import PlanError, WorldPlan, build_plan, elide, plan_world
+from ..planning import JobSpec, PlanError, WorldPlan, build_plan, elide, plan_world
 from .deadlines import Deadlines
 from .model import (
     Gone,
@@ -76,6 +77,8 @@ from .model import (
 )
 from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutJob, PutMember, Write
 
+log = logging.getLogger("commctx.server")
+
 
 class Actions:
     """What a transition implies, for the executor to carry out in this order:
@@ -97,6 +100,19 @@ class Actions:
     def __repr__(self) -> str:
         return (f"Actions(writes={self.writes!r}, notes={self.notes!r}, pushes={self.pushes!r}, wakes={self.wakes!r}, "
                 f"plans={self.plans!r})")
+
+
+def plan_or_error(candidates: list, spec: JobSpec) -> WorldPlan | PlanError:
+    """`plan_world`, any failure as a PlanError: a planner bug fails the one job
+    it meets, saying so, instead of a Join half done or a server error."""
+    try:
+        return plan_world(candidates, spec)
+    except PlanError as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001 - a bug; logged with its traceback for the report
+        log.exception("planner_failed")
+        return PlanError(f"the planner failed on this spec ({type(exc).__name__}: {elide(str(exc))}); "
+                         "this is a commctx bug, please report it with the spec")
 
 
 class Rendezvous:
@@ -131,6 +147,7 @@ class Rendezvous:
         self._clock = clock
         self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
         self._jobs: dict[str, Job] = {}
+        self._held: str | None = None  # why no world may form now (the store refuses writes), or None
         self._seq = 0
         # Jobs that failed, kept a while after their last worker left so that
         # DescribeJob can still say why.
@@ -378,11 +395,7 @@ class Rendezvous:
                 job.planning = job.version
                 actions.plans.append(PlanRequest(job.job_id, job.version, tuple(candidates), spec))
             return
-        try:
-            plan: WorldPlan | PlanError = plan_world(candidates, spec)
-        except PlanError as exc:
-            plan = exc
-        self._seat(job, plan, actions)
+        self._seat(job, plan_or_error(candidates, spec), actions)
 
     def planned(self, request: PlanRequest, plan: WorldPlan | PlanError) -> Actions:
         """The plan of `request`, computed off the event loop, is ready. It is
@@ -401,8 +414,22 @@ class Rendezvous:
             self._seat(job, plan, actions)
         return actions
 
+    def hold_worlds(self, why: str | None) -> Actions:
+        """While `why` is set (the store refuses writes), jobs stay FORMING: a
+        world nobody could be told of durably is not formed. None lifts the hold
+        and forms every job that can form (linear in the number of jobs)."""
+        self._held = why
+        actions = Actions()
+        if why is None:
+            for job in list(self._jobs.values()):
+                if job.state is JobState.FORMING:
+                    self._maybe_form(job, actions)
+        return actions
+
     def _seat(self, job: Job, plan: WorldPlan | PlanError, actions: Actions) -> None:
         """FORMING -> FORMED with `plan` (or FAILED with the reason it could not be planned)."""
+        if self._held is not None:
+            return  # hold_worlds(None) plans it again
         if isinstance(plan, PlanError):
             self._stop(job, JobState.FAILED, str(plan), "cannot form", actions)
             return
@@ -749,6 +776,8 @@ class Rendezvous:
                       f"awaited; {job.shortfall()}")
         else:
             reason = f"waiting: {job.shortfall()}"
+        if self._held is not None and job.state is JobState.FORMING:
+            reason = f"held: the server cannot write its state ({self._held}); worlds form once a write succeeds; {reason}"
         return JobView(
             job_id=job.job_id,
             state=job.state,

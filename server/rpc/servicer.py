@@ -17,7 +17,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..errors import InvalidArgument, LimitExceeded, NotFound, Unavailable, WaitTimeout
 from ..rendezvous.executor import Executor, Waiters
-from ..rendezvous.machine import Rendezvous
+from ..rendezvous.machine import Actions, Rendezvous
 from ..planning import elide
 from ..rendezvous.model import Gone, check_job_id, check_member_id
 from . import codec
@@ -81,17 +81,31 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             else:  # a re-attached member of a formed world: answer once that world is durable
                 await self._executor.settled()
                 world = placed
-            return codec.join_response(member_id, secret, joined.lease_ttl_s, world.assignment_for(member_id))
+            response = codec.join_response(member_id, secret, joined.lease_ttl_s, world.assignment_for(member_id))
+        except asyncio.CancelledError:  # the caller went away: withdrawn, nobody to answer
+            self._executor.submit(self._stop_waiting(job_id, member_id, waiter))
+            raise
         except TimeoutError:
             error = WaitTimeout(f"job {job_id!r} did not form within {timeout:g} s: {self._why_waiting(job_id)}")
         except Exception as exc:
             error = exc
-        finally:  # a no-op once placed; before that, a caller that went away is withdrawn
-            if waiter is not None:
-                self._waiters.discard(job_id, member_id, waiter)
-            if not self._waiters.waiting(job_id, member_id):  # unless a later call for the member took over
-                self._executor.submit(self._machine.withdraw(job_id, member_id))
+        else:
+            self._stop_waiting(job_id, member_id, waiter)  # placed: nothing to withdraw
+            return response
+        try:  # answered once the withdrawal is durable: a restart does not bring the member back
+            await self._executor.carry_out(self._stop_waiting(job_id, member_id, waiter))
+        except Unavailable as exc:
+            error = exc
         await self._abort(context, "Join", error)
+
+    def _stop_waiting(self, job_id: str, member_id: str, waiter: asyncio.Future | None) -> Actions:
+        """Ends this call's wait; withdraws the member unless it was placed or a
+        later Join call for it took over."""
+        if waiter is not None:
+            self._waiters.discard(job_id, member_id, waiter)
+        if self._waiters.waiting(job_id, member_id):
+            return Actions()
+        return self._machine.withdraw(job_id, member_id)
 
     def _why_waiting(self, job_id: str) -> str:
         try:
