@@ -283,6 +283,15 @@ def list_jobs(stub: pb_grpc.RendezvousStub) -> list[pb.JobDescription]:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    try:
+        return _status(args)
+    except KeyboardInterrupt:  # Ctrl-C ends --watch, whatever it was doing
+        if args.watch:
+            return 0
+        raise
+
+
+def _status(args: argparse.Namespace) -> int:
     addr, channel = connect(args)
     with channel:
         stub = pb_grpc.RendezvousStub(channel)
@@ -308,10 +317,7 @@ def run_status(args: argparse.Namespace) -> int:
                 print(text, flush=True)
             if not args.watch:
                 return 0
-            try:
-                time.sleep(args.interval)  # a display refresh, not a wait for a condition
-            except KeyboardInterrupt:
-                return 0
+            time.sleep(args.interval)  # a display refresh, not a wait for a condition
 
 
 def main(argv: Sequence[str] | None = None) -> int:

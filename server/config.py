@@ -98,6 +98,7 @@ SETTINGS = (
     Setting("max_streams", _count, "200000", "open Session streams at most; another gets RESOURCE_EXHAUSTED (its client retries)"),
     Setting("retain_ended_jobs", _count, "1000", "failed jobs kept after their last worker left, so that DescribeJob can say why; the oldest go first"),
     Setting("retain_ended_s", _positive, "300", "how long such a job is kept"),
+    Setting("max_connection_age_s", _positive, "3600", "a connection is closed (GOAWAY) after this long, its calls in flight then get --max-join-wait-s more; clients reconnect"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
     Setting("tls_key", str, "", "PEM private key of --tls-cert"),
     Setting("auth_tokens", str, "", "file of bearer tokens, one per line ('TOKEN' or 'TOKEN admin'); every call but health then needs one; re-read on SIGHUP"),
@@ -125,6 +126,7 @@ class Config:
     max_streams: int = 200_000
     retain_ended_jobs: int = 1000
     retain_ended_s: float = 300.0
+    max_connection_age_s: float = 3600.0
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

@@ -282,17 +282,29 @@ async def test_a_client_secret_binds_its_member_id(stub):
 
 
 async def test_describe_a_forming_and_a_formed_job(stub):
-    first = [asyncio.ensure_future(stub.Join(join_request("d", 4, n, i))) for i, n in enumerate(["node10", "node9"])]
-    await eventually(lambda: _joined(stub, "d", 2))
+    first = []
+    for i, n in enumerate(["node10", "node9"]):
+        first.append(asyncio.ensure_future(stub.Join(join_request("d", 4, n, i))))
+        await eventually(lambda: _joined(stub, "d", i + 1))
     d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="d"))
     assert d.state == pb.JobDescription.FORMING
-    assert (d.generation, d.spec.world_size, d.joined, d.missing) == (0, 4, 2, 2)
-    assert [(n.node_key, n.workers) for n in d.nodes] == [("node9", 1), ("node10", 1)]
+    assert (d.generation, d.spec.world_size, d.joined, d.missing, d.num_nodes) == (0, 4, 2, 2, 2)
+    assert [(n.node_key, n.workers) for n in d.nodes] == [("node10", 1), ("node9", 1)]  # forming: in the order they came
     assert "2 of 4 workers joined" in d.reason and d.forming_for_s >= 0
     await asyncio.gather(*first, stub.Join(join_request("d", 4, "node9", 2)), stub.Join(join_request("d", 4, "node10", 3)))
     d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="d"))
     assert (d.state, d.generation, d.joined, d.missing, d.reason) == (pb.JobDescription.FORMED, 1, 4, 0, "")
     assert [(n.node_key, n.node_rank, n.workers) for n in d.nodes] == [("node9", 0, 2), ("node10", 1, 2)]
+
+
+async def test_a_weight_transfer_sending_to_its_own_role_is_refused_and_leaves_nobody_behind(stub):
+    # Found by tests/test_fuzz.py: the sender was planned twice in its own group (INTERNAL, a member left for good).
+    request = join_request("self-sender", 1, role="trainer", wait_timeout_ms=2_000)
+    request.spec.groups.append(pb.GroupRule(mode="WEIGHT_SYNC", weight_transfer=pb.WeightTransfer(
+        sender_role="trainer", receiver_roles=["rollout", "trainer"])))
+    await expect_error(stub.Join(request), Code.INVALID_ARGUMENT,
+                       "group 'WEIGHT_SYNC' lists its sender role 'trainer' among its receiver roles")
+    await expect_error(stub.DescribeJob(pb.DescribeJobRequest(job_id="self-sender")), Code.NOT_FOUND)
 
 
 async def test_draining_server_refuses_joins(stub, server):
@@ -504,6 +516,29 @@ async def test_a_session_that_never_names_its_member_is_closed_after_one_ttl():
                                      "no SessionRequest within the lease TTL (0.5 s): a session starts by naming its member")
             assert err is not None
             assert (await pb_grpc.RendezvousStub(ch).ListJobs(pb.ListJobsRequest())).jobs == []  # still serving
+    finally:
+        await s.stop(0)
+
+
+async def test_old_connections_are_closed_and_their_members_carry_on():
+    from commctx.server.rendezvous.model import Limits
+
+    s = await start_server("127.0.0.1", 0, lease_ttl_s=30, limits=Limits(max_connection_age_s=0.5, max_join_wait_s=0.5))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            joined = await stub.Join(join_request("aged", 1))
+            call = stub.Session()
+            await call.write(pb.SessionRequest(job_id="aged", member_id=joined.member_id, generation=1,
+                                               member_secret=joined.member_secret))
+            assert (await call.read()).lease_ttl_ms == 30_000
+            # Age 0.5 s, then 1.5 s of grace (the longest Join wait + 1 s): the stream is cut, not held for ever.
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await asyncio.wait_for(call.read(), 10)
+            assert cut.value.code() is Code.UNAVAILABLE
+            renewed = await stub.KeepAlive(pb.KeepAliveRequest(job_id="aged", member_id=joined.member_id, generation=1,
+                                                               member_secret=joined.member_secret))
+            assert renewed.generation == 1  # the channel reconnected; the member and its world are untouched
     finally:
         await s.stop(0)
 

@@ -397,6 +397,8 @@ def _rule(world_size: int, rule: Rule, declared: set[str]) -> Rule:
     if isinstance(rule, WeightTransfer):
         if not rule.receivers:
             raise InvalidArgument(f"group {mode!r} lists no receiver roles")
+        if rule.sender in rule.receivers:
+            raise InvalidArgument(f"group {mode!r} lists its sender role {elide(rule.sender)} among its receiver roles")
         return WeightTransfer(mode, known(rule.sender), tuple(known(r) for r in rule.receivers), rule.per_node)
     groups, seen = [], set()
     for given in rule.groups:

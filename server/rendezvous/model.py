@@ -89,6 +89,7 @@ class Limits:
     max_streams: int = 200_000  # open Session streams
     retain_ended_jobs: int = 1000  # failed jobs kept (after their last worker left) so DescribeJob can say why
     retain_ended_s: float = 300.0  # ... and for how long
+    max_connection_age_s: float = 3600.0  # then GOAWAY; calls in flight get max_join_wait_s + 1 s more
 
 
 class JoinParams(NamedTuple):

@@ -135,7 +135,7 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=parse, response_serializer=handler.response_serializer)
 
 
-def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits: Limits = Limits()) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=list(interceptors),
         options=[
@@ -147,6 +147,9 @@ def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grp
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.max_connection_idle_ms", 600_000),
+            # No connection lives for ever (its open calls get the longest Join wait to end).
+            ("grpc.max_connection_age_ms", round(limits.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", round((limits.max_join_wait_s + 1) * 1000)),
             # A whole job joins at once; gRPC core would cancel calls beyond 3,000 queued.
             ("grpc.server.max_pending_requests", 1 << 17),
             ("grpc.server.max_pending_requests_hard_limit", 1 << 18),
@@ -237,7 +240,7 @@ async def start_server(
     out.servicer = RendezvousServicer(machine, out.executor, waiters, out.telemetry.rpc_error, callers)
 
     guards = [TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else []
-    server = _grpc_server([*guards, DecodeGuard(out.telemetry.rpc_error)])
+    server = _grpc_server([*guards, DecodeGuard(out.telemetry.rpc_error)], limits)
     pb_grpc.add_RendezvousServicer_to_server(out.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
