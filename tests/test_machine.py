@@ -238,6 +238,21 @@ def test_a_plan_for_a_job_that_changed_meanwhile_is_dropped(clock):
     assert [o for _, o in actions.wakes] == [JobStopped("job 'job' cannot form: no seat")]
 
 
+def test_a_planner_bug_fails_the_one_job_it_meets_and_leaves_nobody_half_joined(rdzv, monkeypatch, caplog):
+    import commctx.server.rendezvous.machine as machine
+
+    def broken(candidates, spec):
+        raise ValueError("slice step cannot be zero")
+
+    monkeypatch.setattr(machine, "plan_world", broken)
+    _, actions = join(rdzv, params(JobSpec.build(1), "n"))  # the transition completes: no exception escapes
+    (stopped,) = [o for _, o in actions.wakes]
+    assert isinstance(stopped, JobStopped) and "the planner failed on this spec (ValueError: 'slice step" in stopped.reason
+    view = rdzv.describe("job")
+    assert view.state is JobState.FAILED and "commctx bug" in view.reason
+    assert "planner_failed" in caplog.text and "Traceback" in caplog.text  # the operator gets the traceback to report
+
+
 def plan_now(rdzv: Rendezvous, request) -> Actions:
     """What the executor does for a plan request: plan in full, hand the plan back."""
     return rdzv.planned(request, plan_world(request.candidates, request.spec))
