@@ -22,12 +22,12 @@ from .conftest import eventually, join_request
 BIG = 100_000
 
 
-def fill(server, job_id: str, members: int) -> None:
+def fill(server, job_id: str, members: int, key: str = "host{}") -> None:
     """`members` workers, one per node, joined as a Join would (without waiting in one)."""
     spec = JobSpec.build(world_size=members)
     for i in range(members):
         _, actions, _ = server.machine.join(JoinParams.build(
-            job_id=job_id, spec=spec, node_key=f"host{i}", address=f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", port=29500))
+            job_id=job_id, spec=spec, node_key=key.format(i), address=f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", port=29500))
         server.executor.submit(actions)
 
 
@@ -55,6 +55,20 @@ async def test_describe_job_pages_nodes_in_node_rank_order(server, stub):
             await stub.DescribeJob(bad)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and what in err.value.details()
         assert len(err.value.details()) < 300
+
+
+async def test_a_page_of_long_node_keys_is_cut_to_a_mebibyte(server, stub):
+    fill(server, "long", 5000, "n{:0>250}")  # 5,000 nodes of ~270 bytes: 1.3 MB in one page of 10,000
+    await eventually(lambda: server.machine.describe("long").state.name == "FORMED", what="the world forms")
+    ranks, token, sizes = [], "", []
+    while True:
+        d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="long", node_page_size=10_000, node_page_token=token))
+        sizes.append(d.ByteSize())
+        ranks += [n.node_rank for n in d.nodes]
+        token = d.next_node_page_token
+        if not token:
+            break
+    assert len(sizes) == 2 and max(sizes) <= 1 << 20 and ranks == list(range(5000))
 
 
 async def test_status_reads_a_job_of_100k_members(server, stub):

@@ -193,7 +193,7 @@ def summary_message(v: JobView) -> pb.JobDescription:
     return pb.JobDescription(job_id=v.job_id, state=_STATE[v.state])
 
 
-def description_message(v: JobView, next_node_page_token: str = "") -> pb.JobDescription:
+def description_message(v: JobView) -> pb.JobDescription:
     return pb.JobDescription(
         job_id=v.job_id,
         state=_STATE[v.state],
@@ -215,7 +215,6 @@ def description_message(v: JobView, next_node_page_token: str = "") -> pb.JobDes
         waiting=v.waiting,
         not_ready=v.not_ready,
         num_nodes=v.num_nodes,
-        next_node_page_token=next_node_page_token,
     )
 
 

@@ -25,7 +25,8 @@ from .auth import ADMIN, Callers
 
 T = TypeVar("T")
 PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
-NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000  # DescribeJob: a node is < 200 bytes, a reply < 2 MiB
+NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000  # DescribeJob: nodes per reply
+MAX_REPLY_BYTES = 1 << 20  # ... and a reply's size: fewer nodes if theirs are long (keys, many roles)
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -212,7 +213,20 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 raise InvalidArgument(f"node_page_token {elide(token)} is not a token DescribeJob gave")
             first = int(token or 0)
             view = self._machine.describe(check_job_id(request.job_id), request.job_secret, first, size)
-            return codec.description_message(view, str(first + size) if first + size < view.num_nodes else "")
+            message = codec.description_message(view)
+            if message.ByteSize() > MAX_REPLY_BYTES:
+                nodes = list(message.nodes)
+                del message.nodes[:]
+                budget, keep = MAX_REPLY_BYTES - message.ByteSize(), 0
+                for node in nodes:
+                    budget -= node.ByteSize() + 5  # + its tag and length, at most
+                    if budget < 0:
+                        break
+                    keep += 1
+                message.nodes.extend(nodes[:max(keep, 1)])
+            shown = first + len(message.nodes)
+            message.next_node_page_token = str(shown) if shown < view.num_nodes else ""
+            return message
 
         return await self._call(context, "DescribeJob", describe)
 
