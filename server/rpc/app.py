@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import prometheus_client
@@ -22,6 +22,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
+from ..errors import NotLeader
 from ..rendezvous.model import Limits, Stats
 from ..rendezvous.store import Fenced, NullStore, Store
 from ..gc_pacer import GcPacer
@@ -37,6 +38,18 @@ RENDEZVOUS_METHODS = frozenset(f"/{SERVICE_NAME}/{m.name}" for m in pb.DESCRIPTO
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+@dataclasses.dataclass
+class Term:
+    """What serves the rendezvous while this server leads: the state machine,
+    its executor and waiters, and the servicer over them. A single server has
+    one term for its life; an HA replica one per leadership."""
+
+    machine: Rendezvous
+    waiters: Waiters
+    executor: Executor
+    servicer: RendezvousServicer
+
+
 class RendezvousServer:
     """A running server. Create with `start_server`; stop with `stop` (idempotent)."""
 
@@ -44,10 +57,9 @@ class RendezvousServer:
         self.port = 0
         self.health_port: int | None = None
         self.metrics_port: int | None = None
-        self.machine: Rendezvous
         self.telemetry: Telemetry
-        self.executor: Executor
-        self.servicer: RendezvousServicer
+        self.term: Term | None = None  # None: not leading (an HA replica following, or between terms)
+        self.leader = ""  # the leader's address, as a replica that does not lead knows it
         # Set when another server took over the store: this one must stop.
         self.deposed = asyncio.Event()
         self._servers: list[grpc.aio.Server] = []
@@ -56,6 +68,61 @@ class RendezvousServer:
         self._metrics: tuple | None = None
         self._store: Store = NullStore()
         self._stopped = False
+        self._lease_ttl_s = 10.0
+        self._clock: Callable[[], float] = time.monotonic
+        self._limits = Limits()
+        self._callers: Callers | None = None
+        self._ha = False
+
+    @property
+    def machine(self) -> Rendezvous:
+        return self._current().machine
+
+    @property
+    def executor(self) -> Executor:
+        return self._current().executor
+
+    @property
+    def servicer(self) -> RendezvousServicer:
+        return self._current().servicer
+
+    def _current(self) -> Term:
+        if self.term is None:
+            raise RuntimeError("this server does not lead now")
+        return self.term
+
+    def begin_term(self, store: Store, epoch: int, records: list) -> None:
+        """Serves the rendezvous from `records` (the store's content), writing
+        as `epoch`; every lease restored gets one TTL of grace."""
+        machine = Rendezvous(lease_ttl_s=self._lease_ttl_s, clock=self._clock, limits=self._limits)
+        restored, actions = machine.restore(records, grace_s=self._lease_ttl_s)
+        if restored:
+            event("restored", jobs=restored, grace_s=self._lease_ttl_s)
+        waiters = Waiters()
+        executor = Executor(machine, store, epoch, waiters, self.telemetry.record,
+                            on_store_error=self._store_error, on_fenced=self._fenced)
+        executor.start()
+        executor.submit(actions)
+        servicer = RendezvousServicer(machine, executor, waiters, self.telemetry.rpc_error, self._callers)
+        self.term, self.leader = Term(machine, waiters, executor, servicer), ""
+        self._tasks.append(asyncio.ensure_future(self._set_health(SERVING)))
+
+    async def end_term(self, leader: str = "") -> None:
+        """Stops serving the rendezvous at once (an HA replica that lost its
+        lease or its store): calls in flight, waiting Joins and open sessions
+        are answered UNAVAILABLE/NOT_LEADER, naming `leader` if known."""
+        term, self.term, self.leader = self.term, None, leader
+        await self._set_health(NOT_SERVING, only_service=True)
+        if term is None:
+            return
+        error = self.not_leader()
+        term.servicer.close(error)
+        await term.executor.abandon(error)
+
+    def not_leader(self) -> NotLeader:
+        if self.leader:
+            return NotLeader(f"this replica does not serve the rendezvous; the leader is {self.leader}", self.leader)
+        return NotLeader("this replica does not serve the rendezvous and knows no leader yet (an election is under way); retry")
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """Drains: health NOT_SERVING (watchers see it), new joins refused with
@@ -65,10 +132,12 @@ class RendezvousServer:
         if self._stopped:
             return
         self._stopped = True
-        self.servicer.draining = True
+        if self.term is not None:
+            self.term.servicer.draining = True
         await self._health.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
-        await self.executor.stop()
+        if self.term is not None:
+            await self.term.executor.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -82,9 +151,9 @@ class RendezvousServer:
         await asyncio.to_thread(self._store.close)
         self.telemetry.close()
 
-    async def _set_health(self, status: int) -> None:
+    async def _set_health(self, status: int, only_service: bool = False) -> None:
         if not self._stopped:
-            for name in ("", SERVICE_NAME):
+            for name in (SERVICE_NAME,) if only_service or self._ha else ("", SERVICE_NAME):
                 await self._health.set(name, status)
 
     def _store_error(self, exc: Exception | None) -> None:
@@ -92,9 +161,49 @@ class RendezvousServer:
         self._tasks.append(asyncio.ensure_future(self._set_health(NOT_SERVING if exc is not None else SERVING)))
 
     def _fenced(self, exc: Fenced) -> None:
-        self.servicer.draining = True
+        if self._ha:  # another replica leads: stop serving, and campaign again
+            self._tasks.append(asyncio.ensure_future(self.end_term()))
+            self.deposed.set()
+            return
+        if self.term is not None:
+            self.term.servicer.draining = True
         self._tasks.append(asyncio.ensure_future(self._set_health(NOT_SERVING)))
         self.deposed.set()
+
+
+class Router(pb_grpc.RendezvousServicer):
+    """commctx.v1.Rendezvous as registered with gRPC: each call goes to the
+    current term's servicer, or is answered UNAVAILABLE (NOT_LEADER, with the
+    leader's address when known) while this server does not lead."""
+
+    def __init__(self, server: RendezvousServer) -> None:
+        self._server = server
+
+    async def _servicer(self, context: grpc.aio.ServicerContext, method: str) -> RendezvousServicer:
+        term = self._server.term
+        if term is None:
+            status = codec.error_status(self._server.not_leader())
+            self._server.telemetry.rpc_error(method, status.code.name)
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        return term.servicer
+
+    async def Join(self, request, context):
+        return await (await self._servicer(context, "Join")).Join(request, context)
+
+    async def Session(self, requests, context):
+        return await (await self._servicer(context, "Session")).Session(requests, context)
+
+    async def KeepAlive(self, request, context):
+        return await (await self._servicer(context, "KeepAlive")).KeepAlive(request, context)
+
+    async def Leave(self, request, context):
+        return await (await self._servicer(context, "Leave")).Leave(request, context)
+
+    async def DescribeJob(self, request, context):
+        return await (await self._servicer(context, "DescribeJob")).DescribeJob(request, context)
+
+    async def ListJobs(self, request, context):
+        return await (await self._servicer(context, "ListJobs")).ListJobs(request, context)
 
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
@@ -193,6 +302,7 @@ async def start_server(
     tls: ServerTls | None = None,
     callers: Callers | None = None,
     limits: Limits = Limits(),
+    replica: Callable[[RendezvousServer], Awaitable[None]] | None = None,
 ) -> RendezvousServer:
     """Starts a rendezvous server on host:port (port 0: any free port).
 
@@ -210,6 +320,9 @@ async def start_server(
             the health-only port stays plaintext for probes.
         callers: require one of these bearer tokens on every call but health.
         limits: how much the server holds at most (jobs, members, spec sizes, join waits).
+        replica: for an HA replica (server/ha.py): runs for the server's life,
+            calling `begin_term` when elected and `end_term` when not; the
+            server then serves the rendezvous only between the two.
 
     Raises:
         RuntimeError: an address could not be bound.
@@ -217,31 +330,24 @@ async def start_server(
     """
     out = RendezvousServer()
     loop = asyncio.get_running_loop()
+    out._lease_ttl_s, out._clock, out._limits, out._callers, out._ha = lease_ttl_s, clock, limits, callers, replica is not None
     out._store = store = store if store is not None else NullStore()
-    epoch = store.take_over()
-    out.machine = machine = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, limits=limits)
-    restored, actions = machine.restore(store.load(), grace_s=lease_ttl_s)
-    if restored:
-        event("restored", jobs=restored, grace_s=lease_ttl_s)
+    idle = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, limits=limits)  # what metrics show between terms
 
     async def snapshot() -> Stats:
-        return machine.stats()
+        return (out.term.machine if out.term is not None else idle).stats()
 
     def stats() -> Stats:  # called from the metrics thread: the loop takes the snapshot
         return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
 
     registry = prometheus_client.CollectorRegistry()
     out.telemetry = Telemetry(registry, stats)
-    waiters = Waiters()
-    out.executor = Executor(machine, store, epoch, waiters, out.telemetry.record,
-                            on_store_error=out._store_error, on_fenced=out._fenced)
-    out.executor.start()
-    out.executor.submit(actions)
-    out.servicer = RendezvousServicer(machine, out.executor, waiters, out.telemetry.rpc_error, callers)
+    if replica is None:
+        out.begin_term(store, store.take_over(), store.load())
 
     guards = [TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else []
     server = _grpc_server([*guards, DecodeGuard(out.telemetry.rpc_error)], limits)
-    pb_grpc.add_RendezvousServicer_to_server(out.servicer, server)
+    pb_grpc.add_RendezvousServicer_to_server(Router(out), server)
     health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
@@ -253,11 +359,17 @@ async def start_server(
             out.health_port = _listen(probe, host, health_port)
             out._servers.append(probe)
     except BaseException:
-        await out.executor.stop()
+        if out.term is not None:
+            await out.term.executor.stop()
         raise
     for s in out._servers:
         await s.start()
-    await out._set_health(SERVING)
+    if replica is None:
+        await out._set_health(SERVING)
+    else:  # alive, but the rendezvous is served only once elected
+        await out._health.set("", SERVING)
+        await out._health.set(SERVICE_NAME, NOT_SERVING)
+        out._tasks.append(asyncio.create_task(replica(out), name="commctx-replica"))
     if metrics_port is not None:
         httpd, thread = prometheus_client.start_http_server(metrics_port, addr=host, registry=registry)
         out._metrics = (httpd, thread)

@@ -27,6 +27,7 @@ from ..errors import (
     JobFull,
     LimitExceeded,
     NotFound,
+    NotLeader,
     PermissionDenied,
     RendezvousError,
     StaleGeneration,
@@ -52,6 +53,7 @@ STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
     NotFound: (grpc.StatusCode.NOT_FOUND, pb.MEMBER_NOT_FOUND),
     WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, pb.RENDEZVOUS_TIMEOUT),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, pb.SERVER_UNAVAILABLE),
+    NotLeader: (grpc.StatusCode.UNAVAILABLE, pb.NOT_LEADER),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
     PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, pb.JOB_SEALED),
     LimitExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.SERVER_FULL),
@@ -79,7 +81,8 @@ def error_status(exc: BaseException) -> grpc.Status:
     if len(message) > MAX_DETAILS:
         message = message[: MAX_DETAILS - 3] + "..."
     detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.ErrorInfo(reason=pb.ErrorReason.Name(reason), domain=DOMAIN))
+    metadata = {"leader": exc.leader} if isinstance(exc, NotLeader) and exc.leader else {}
+    detail.Pack(error_details_pb2.ErrorInfo(reason=pb.ErrorReason.Name(reason), domain=DOMAIN, metadata=metadata))
     return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 

