@@ -56,7 +56,8 @@ class Replica:
         self._kv, self._leases = rpc.KVStub(self._channel), rpc.LeaseStub(self._channel)
         self._watch, self._auth = rpc.WatchStub(self._channel), rpc.AuthStub(self._channel)
         self._token: tuple[tuple[str, str], ...] = ()
-        # The warm copy: every key under the prefix, as of `_revision`.
+        # The warm copy: every key under the prefix, whole up to revision `_revision`
+        # (a new leader waits for its own election's put to come through).
         self._copy: dict[bytes, bytes] = {}
         self._revision = 0
         self._progress = asyncio.Condition()
@@ -100,6 +101,7 @@ class Replica:
                 granted_at = self._clock()
                 lease_id = (await self._unary(self._leases.LeaseGrant, rpc.LeaseGrantRequest(TTL=self._ttl))).ID
                 keeper = asyncio.create_task(self._keep(lease_id, granted_at), name="commctx-election-lease")
+                keeper.add_done_callback(lambda t: t.cancelled() or t.exception())  # read here or in _lead
                 self._leader_changed.clear()
                 reply = await self._unary(self._kv.Txn, rpc.TxnRequest(
                     compare=[rpc.Compare(key=self._config.leader_key, target=rpc.Compare.CREATE,
@@ -212,7 +214,7 @@ class Replica:
                     response = await call.read()
                     if response is grpc.aio.EOF or response.canceled or response.compact_revision:
                         break
-                    async with self._progress:
+                    async with self._progress:  # events come in revision order: the copy is whole up to the last
                         for ev in response.events:
                             if ev.type == ev.DELETE:
                                 self._copy.pop(ev.kv.key, None)
@@ -220,7 +222,7 @@ class Replica:
                                 self._copy[ev.kv.key] = ev.kv.value
                             if ev.kv.key == self._config.leader_key:
                                 self._leader_changed.set()
-                        self._revision = max(self._revision, response.header.revision)
+                            self._revision = max(self._revision, ev.kv.mod_revision)
                         self._progress.notify_all()
                 call.cancel()
             except grpc.aio.AioRpcError:

@@ -1,0 +1,218 @@
+"""Chaos: three etcd replicas, 500 simulated workers joining and leaving in
+storms, and the leader killed (SIGKILL, then restarted) every few seconds.
+
+Every worker is an asyncio client that does what the client library does:
+tries the replica it believes leads, follows NOT_LEADER hints, re-attaches
+with its own member id and secret after a failure, and renews its lease
+every third of the TTL. Each answered call is recorded; a checker then reads
+the history and the final state:
+
+- no two members hold the same rank of a job in one generation, and every
+  member of a world saw the same world (size, generation, master);
+- generations never go backwards for a member;
+- no answered Leave comes back: the member is unknown at the end;
+- every completed Join is in the final state unless answered Leave.
+
+COMMCTX_CHAOS_S sets how long the storms go on (default 20 s; the README
+gives the longest local run)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import os
+import random
+import signal
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .etcd import Etcd, etcd_binary
+from .test_ha import Replicas
+
+DURATION_S = float(os.environ.get("COMMCTX_CHAOS_S", "20"))
+pytestmark = [pytest.mark.timeout(DURATION_S * 3 + 180), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")]
+WORKERS, PER_JOB, KILL_EVERY_S, LEASE_TTL_S = 500, 4, 3.0, 6.0
+
+
+class Fleet:
+    """Channels to every replica and the one believed to lead; calls that follow hints."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.channels = {a: grpc.aio.insecure_channel(a) for a in addresses}
+        self.leader = addresses[0]
+
+    async def call(self, method: str, request, deadline: float, timeout: float = 5.0):
+        """The answer of the current leader; NOT_LEADER and unreachable replicas are retried until `deadline`."""
+        attempt = 0
+        while True:
+            address = self.leader
+            try:
+                rpc = getattr(pb_grpc.RendezvousStub(self.channels[address]), method)
+                return await rpc(request, timeout=min(timeout, max(0.1, deadline - time.monotonic())))
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or time.monotonic() >= deadline:
+                    raise
+                hint = _leader_hint(err)
+                if self.leader == address:
+                    self.leader = hint or self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
+            await asyncio.sleep(min(0.05 * 2 ** attempt, LEASE_TTL_S / 3) * random.uniform(0.5, 1))
+            attempt = min(attempt + 1, 6)
+
+    async def close(self) -> None:
+        for ch in self.channels.values():
+            await ch.close()
+
+
+def _leader_hint(err: grpc.aio.AioRpcError) -> str:
+    try:
+        status = rpc_status.from_call(err)
+    except ValueError:
+        return ""
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.reason == "NOT_LEADER":
+            return info.metadata.get("leader", "")
+    return ""
+
+
+@dataclasses.dataclass
+class History:
+    joined: dict[str, tuple[str, int, int, int, str]] = dataclasses.field(default_factory=dict)  # member -> (job, gen, rank, size, master)
+    left: set[str] = dataclasses.field(default_factory=set)  # answered Leave
+    generations: dict[str, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    secrets: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # member -> (job, secret)
+    failed_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    settled: int = 0  # workers whose history is final
+
+
+async def worker(fleet: Fleet, history: History, job: str, node: str, leave_after: float | None,
+                 checked: asyncio.Event) -> None:
+    """Joins, renews every TTL/3, and leaves after `leave_after` s; or (None) stays,
+    renewing until the checker is done. Counts itself settled once its history is final."""
+    member, secret = os.urandom(16).hex(), os.urandom(16).hex()
+    history.secrets[member] = (job, secret)
+    request = pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=PER_JOB), node_key=node, address="127.0.0.1",
+                             master_port=random.randint(20000, 60000), member_id=member, member_secret=secret,
+                             wait_timeout_ms=60_000)
+    settled = False
+    try:
+        try:
+            answer = await fleet.call("Join", request, time.monotonic() + 90, timeout=30)
+        except grpc.aio.AioRpcError as err:
+            history.failed_calls[f"Join {err.code().name}"] += 1
+            return
+        a = answer.assignment
+        history.joined[member] = (job, a.generation, a.rank, a.world_size, a.dist_url)
+        history.generations[member].append(a.generation)
+        ends = time.monotonic() + leave_after if leave_after is not None else None
+        if ends is None:
+            history.settled, settled = history.settled + 1, True
+        while not checked.is_set() and (ends is None or time.monotonic() < ends):
+            try:
+                renewed = await fleet.call("KeepAlive", pb.KeepAliveRequest(
+                    job_id=job, member_id=member, member_secret=secret, generation=a.generation), time.monotonic() + LEASE_TTL_S)
+                history.generations[member].append(renewed.generation)
+            except grpc.aio.AioRpcError as err:
+                history.failed_calls[f"KeepAlive {err.code().name}"] += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(checked.wait(), LEASE_TTL_S / 3 * random.uniform(0.8, 1.0))
+        if ends is not None:
+            try:
+                await fleet.call("Leave", pb.LeaveRequest(job_id=job, member_id=member, member_secret=secret), time.monotonic() + 30)
+                history.left.add(member)
+            except grpc.aio.AioRpcError as err:
+                history.failed_calls[f"Leave {err.code().name}"] += 1
+    finally:
+        if not settled:
+            history.settled += 1
+
+
+async def killer(replicas: Replicas, stop: asyncio.Event, kills: list[float]) -> None:
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), KILL_EVERY_S)
+            return
+        except TimeoutError:
+            pass
+        leader = await asyncio.to_thread(replicas.leader, 15)
+        os.kill(replicas.procs[leader].popen.pid, signal.SIGKILL)
+        kills.append(time.monotonic())
+        replicas.procs[leader].stop()
+        replicas.procs[leader] = await asyncio.to_thread(replicas.start, leader)
+
+
+@pytest.fixture
+def replicas():
+    etcd = Etcd()
+    r = Replicas(etcd)
+    yield r
+    r.close()
+    etcd.close()
+
+
+async def test_chaos_history_is_consistent(replicas):
+    fleet = Fleet([replicas.address(i) for i in range(3)])
+    history, stop, checked, kills = History(), asyncio.Event(), asyncio.Event(), []
+    chaos = asyncio.create_task(killer(replicas, stop, kills))
+    started, jobs, tasks = time.monotonic(), 0, []
+    try:
+        while time.monotonic() - started < DURATION_S:  # a storm: 50 jobs of 4 join at once, a third of them leave soon
+            storm = []
+            for _ in range(WORKERS // PER_JOB // 3):
+                job, leaves = f"job-{jobs}", random.random() < 0.35
+                jobs += 1
+                for w in range(PER_JOB):
+                    storm.append(worker(fleet, history, job, f"node{w % 2}", random.uniform(0.5, 3) if leaves else None, checked))
+            tasks += [asyncio.ensure_future(s) for s in storm]
+            await asyncio.sleep(DURATION_S / 6)
+    finally:
+        stop.set()
+        await chaos
+    deadline = time.monotonic() + 180
+    while history.settled < len(tasks):  # every Join answered or given up, every Leave done
+        assert time.monotonic() < deadline, f"{len(tasks) - history.settled} workers did not settle"
+        await asyncio.sleep(0.1)
+
+    # -- the checker ----------------------------------------------------------------------------
+    problems = []
+    worlds: dict[tuple[str, int], dict[int, str]] = collections.defaultdict(dict)
+    shapes: dict[tuple[str, int], set] = collections.defaultdict(set)
+    for member, (job, gen, rank, size, master) in history.joined.items():
+        if rank in worlds[job, gen]:
+            problems.append(f"rank {rank} of {job} generation {gen} given to {worlds[job, gen][rank]} and {member}")
+        worlds[job, gen][rank] = member
+        shapes[job, gen].add((size, master))
+    problems += [f"{key}: members saw different worlds {s}" for key, s in shapes.items() if len(s) > 1]
+    problems += [f"{m}: generations went back {g}" for m, g in history.generations.items() if g != sorted(g)]
+    for member, (job, secret) in history.secrets.items():
+        if member not in history.joined:
+            continue
+        try:
+            renewed = await fleet.call("KeepAlive", pb.KeepAliveRequest(job_id=job, member_id=member, member_secret=secret,
+                                                                         generation=history.joined[member][1]), time.monotonic() + 30)
+            if member in history.left:
+                problems.append(f"{member} of {job} answered Leave but is back (generation {renewed.generation})")
+            elif renewed.generation != history.joined[member][1]:
+                problems.append(f"{member} of {job}: generation {renewed.generation}, joined {history.joined[member][1]}")
+        except grpc.aio.AioRpcError as err:
+            if member not in history.left:
+                problems.append(f"{member} of {job} completed its Join but the final state lacks it: {err.code().name} {err.details()}")
+    checked.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    await fleet.close()
+    summary = (f"{DURATION_S:g} s, {jobs} jobs, {len(history.joined)} joins answered, {len(history.left)} leaves answered, "
+               f"{len(kills)} leaders killed, failed calls {dict(history.failed_calls)}")
+    print(summary)
+    assert not problems, summary + "\n" + "\n".join(problems[:30])
+    assert len(kills) >= DURATION_S / KILL_EVERY_S - 2 and len(history.joined) >= WORKERS and history.left, summary
