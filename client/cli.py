@@ -7,6 +7,10 @@
 `plan` runs the server's own planning code on a world you describe, so what it
 prints is what the server would assign. It imports only the server's pure
 planner (`commctx.server.planning`); health and status are gRPC clients.
+
+--addr may list the replicas of a highly available server, comma-separated.
+`status` asks the leader (found as the workers find it: see
+transport.Endpoints); `health` probes each address given, as given.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from commctx.server.errors import RendezvousError
 from commctx.server.planning import Candidate, JobSpec, PlanError, WorldPlan, expand, plan_world
 
-from .addresses import DEFAULT_PORT
+from .addresses import DEFAULT_PORT, host_port
 from .errors import CommContextError
-from .transport import channel_to, tls_of
+from .transport import Endpoints, LeaderStub, Tls, channel_to, server_addresses, tls_of
 
 
 def default_address(env: Mapping[str, str] | None = None) -> str:
@@ -40,7 +44,8 @@ def default_address(env: Mapping[str, str] | None = None) -> str:
 
 
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default=None, help="host:port (default 127.0.0.1 and COMMCTX_PORT, else 50051)")
+    p.add_argument("--addr", default=None, help="host:port, or the replicas' host:port comma-separated "
+                                                 "(default 127.0.0.1 and COMMCTX_PORT, else 50051)")
     p.add_argument("--tls-ca", help="PEM CA of the server's certificate: connect with TLS (default COMMCTX_TLS_CA)")
     p.add_argument("--tls-cert", help="PEM client certificate, for a server requiring one "
                                       "(default COMMCTX_TLS_CERT, used when a CA is given)")
@@ -48,17 +53,30 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="bearer token, for a server started with --auth-tokens (default COMMCTX_TOKEN)")
 
 
-def connect(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[str, grpc.Channel]:
-    """The address and a channel to it, over TLS when a TLS file is given.
+def connection(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[str, Tls | None, str | None]:
+    """The address (or comma-separated addresses), TLS and token the arguments and environment ask for.
 
     Raises:
-        CommContextError: a TLS file cannot be read, or a certificate came without its key.
+        CommContextError: a certificate came without its key.
     """
     env = os.environ if env is None else env
-    addr = args.addr or default_address(env)
     tls = tls_of(args.tls_ca, args.tls_cert, args.tls_key,
                  env.get("COMMCTX_TLS_CA"), env.get("COMMCTX_TLS_CERT"), env.get("COMMCTX_TLS_KEY"))
-    return addr, channel_to(addr, tls, args.token or env.get("COMMCTX_TOKEN"))
+    return args.addr or default_address(env), tls, args.token or env.get("COMMCTX_TOKEN")
+
+
+def connect(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[str, Endpoints]:
+    """The address and the server's replicas behind it, over TLS when a TLS file is given.
+
+    Raises:
+        CommContextError: a TLS file cannot be read, a certificate came without
+            its key, or an address is not host:port.
+    """
+    addr, tls, token = connection(args, env)
+    try:
+        return addr, Endpoints(addr, tls, token)
+    except ValueError as exc:
+        raise CommContextError(str(exc)) from None
 
 
 def _sizes(text: str) -> list[int]:
@@ -180,7 +198,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def add_health_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("health", help="ask a server's gRPC health service; exit 0 when SERVING",
-                       description="Calls grpc.health.v1.Health/Check. Exit status 0: SERVING; 1: anything else or no answer.")
+                       description="Calls grpc.health.v1.Health/Check. Exit status 0: SERVING; 1: anything else or no answer. "
+                                   "With several addresses (--addr a:1,b:2) each is asked and gets a line; exit status 0 "
+                                   "when all are SERVING. An address is asked as given: a name that resolves to several "
+                                   "replicas is one probe, of whichever replica the connection reaches.")
     add_connection_arguments(p)
     p.add_argument("--service", default="", help='service name ("" = the whole server; or commctx.v1.Rendezvous)')
     p.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
@@ -188,21 +209,31 @@ def add_health_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_health(args: argparse.Namespace) -> int:
-    addr, channel = connect(args)
+    addr, tls, token = connection(args)
     try:
-        with channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
-    except grpc.RpcError as exc:
-        print(f"{addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{addr}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+        targets = [host_port(*hp) for hp in server_addresses(addr)] if "," in addr else [addr]
+    except ValueError as exc:
+        raise CommContextError(str(exc)) from None
+    serving = True
+    for target in targets:
+        shown = addr if len(targets) == 1 else target
+        try:
+            with channel_to(target, tls, token) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                                 timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{shown}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            serving = False
+            continue
+        print(f"{shown}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+        serving = serving and reply.status == health_pb2.HealthCheckResponse.SERVING
+    return 0 if serving else 1
 
 
 def add_status_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="jobs, members per node, who is missing and why",
-                       description="Describes the jobs a rendezvous server holds (or one of them).")
+                       description="Describes the jobs a rendezvous server holds (or one of them). With several "
+                                   "replicas (--addr a:1,b:2, or a name that resolves to several) it asks the leader.")
     add_connection_arguments(p)
     p.add_argument("--job", help="describe this job in detail")
     p.add_argument("--job-secret", default=None, help="the job's secret, if it is sealed (default COMMCTX_JOB_SECRET)")
@@ -257,7 +288,7 @@ def job_detail(d: pb.JobDescription) -> str:
     return "\n".join(lines)
 
 
-def describe_job(stub: pb_grpc.RendezvousStub, job_id: str, secret: str, max_nodes: int) -> pb.JobDescription:
+def describe_job(stub: pb_grpc.RendezvousStub | LeaderStub, job_id: str, secret: str, max_nodes: int) -> pb.JobDescription:
     """The job with its first `max_nodes` nodes (0: all), read page by page."""
     def page(size: int, token: str = "") -> pb.JobDescription:
         return stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id, job_secret=secret, node_page_size=size,
@@ -271,7 +302,7 @@ def describe_job(stub: pb_grpc.RendezvousStub, job_id: str, secret: str, max_nod
     return d
 
 
-def list_jobs(stub: pb_grpc.RendezvousStub) -> list[pb.JobDescription]:
+def list_jobs(stub: pb_grpc.RendezvousStub | LeaderStub) -> list[pb.JobDescription]:
     """Every job, page by page."""
     jobs, token = [], ""
     while True:
@@ -292,9 +323,9 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    addr, channel = connect(args)
-    with channel:
-        stub = pb_grpc.RendezvousStub(channel)
+    _, endpoints = connect(args)
+    try:
+        stub = LeaderStub(endpoints)  # each call goes to the leader, following a replica's hint
         while True:
             try:
                 if args.job:
@@ -305,7 +336,7 @@ def _status(args: argparse.Namespace) -> int:
                     jobs = list_jobs(stub)
                     text = json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2) if args.json else job_table(jobs)
             except grpc.RpcError as exc:
-                print(f"{addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                print(f"{endpoints.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 if not args.watch:
                     return 1
                 text = None
@@ -313,11 +344,13 @@ def _status(args: argparse.Namespace) -> int:
                 if args.watch and sys.stdout.isatty():
                     print("\x1b[H\x1b[2J", end="")
                 if args.watch:
-                    print(time.strftime("%H:%M:%S"), addr)
+                    print(time.strftime("%H:%M:%S"), endpoints.address)
                 print(text, flush=True)
             if not args.watch:
                 return 0
             time.sleep(args.interval)  # a display refresh, not a wait for a condition
+    finally:
+        endpoints.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -95,7 +95,10 @@ class CommContext:
         GLOBAL, INTRA_NODE and INTER_NODE groups and every group of `spec`.
 
         Args:
-            server_addr: 'host:port' of the rendezvous server (port defaults to 50051).
+            server_addr: 'host:port' of the rendezvous server (port defaults to 50051),
+                or of its HA replicas: a comma-separated list, or one DNS name
+                that resolves to several addresses; the leader is found and
+                followed across failovers.
             job_id: The job to join; workers with the same id form one world.
             world_size: Number of workers in the job.
             node_key: Identifies this worker's node; default: the hostname.

@@ -25,14 +25,13 @@ from google.protobuf import json_format
 from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch
-from .addresses import split_address
 from .assignment import Assignment
 from .errors import CommContextError
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
 from .session import Session
-from .transport import Tls
+from .transport import Tls, server_addresses
 
 log = logging.getLogger("commctx")
 
@@ -158,7 +157,7 @@ class Membership:
         Raises:
             RendezvousError: the server refused the join or the world did not form in time.
         """
-        host, port = split_address(server_addr)
+        host, port = server_addresses(server_addr)[0]  # of several replicas, the route to the first
         address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
         session = Session(server_addr, tls, token)  # first: a TLS file that cannot be read fails before any socket is held
         try:

@@ -10,6 +10,15 @@ logged per outage. `close` stops and joins it.
 
 Join carries a client-chosen member id, so a Join retried after a broken call
 or a server restart re-attaches instead of joining twice.
+
+A highly available server is several replicas (`server_addr` a comma-separated
+list, or a name that resolves to several addresses; see transport.Endpoints).
+Every call starts at the known leader; a replica that is not the leader answers
+NOT_LEADER, naming the leader, and the call goes there; an unreachable one is
+skipped for the next. A NOT_LEADER answer is transient: the join retries it,
+and the session moves to the new leader by itself. Once the lease is known,
+no pause between tries exceeds a third of it, so a failover costs no member
+its lease.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import MemberNotFound, RendezvousError, RendezvousTimeout, ServerUnavailable
-from .transport import Tls, error_from_rpc, open_channel
+from .transport import NOT_LEADER, Endpoints, LeaderStub, Tls, error_from_rpc, leader_hint
 
 log = logging.getLogger("commctx")
 
@@ -37,6 +46,7 @@ _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTER
 _TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
+JOIN_BACKOFF_MAX_S = 3.0  # before the lease is known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,23 +57,30 @@ class WorldChange:
     reason: str
 
 
-def backoff(attempt: int) -> float:
-    """Exponential backoff with full jitter: uniform in [0, min(max, first * 2^attempt)]."""
-    return random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**attempt))
+def backoff(attempt: int, max_s: float = BACKOFF_MAX_S) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(max_s, BACKOFF_MAX_S, first * 2^attempt)]."""
+    return random.uniform(0, min(max_s, BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**min(attempt, 30)))
 
 
 class Session:
     """One membership in one job on one rendezvous server."""
 
     def __init__(self, server_addr: str, tls: Tls | None = None, token: str | None = None) -> None:
+        """`server_addr`: 'host:port', or a comma-separated list of the replicas'.
+
+        Raises:
+            ValueError: an address is not host:port.
+            CommContextError: a TLS file cannot be read, or the token is not printable ASCII.
+        """
         self.server_addr = server_addr
-        self._channel, self._stub = open_channel(server_addr, tls, token)
+        self._endpoints = Endpoints(server_addr, tls, token)
         self.member_id = os.urandom(16).hex()
         self._secret = os.urandom(16).hex()  # the membership's credential: sent, never logged
         self.assignment: Assignment | None = None
         self.lease_error: RendezvousError | None = None  # set when the server says the member is gone
         self._job_id = ""
         self._ttl_s = 10.0
+        self._ttl_known = False
         self._lock = threading.Condition()
         self._generation = 0
         self._spare_port = 0
@@ -83,8 +100,9 @@ class Session:
 
         `request.master_port` is the worker's first spare port.
 
-        Retries (with backoff) while the server is unreachable, re-attaching to
-        the same membership, until `timeout_s` has passed.
+        Retries (with backoff) while the server is unreachable or the replica
+        asked is not the leader, re-attaching to the same membership, until
+        `timeout_s` has passed.
 
         Raises:
             RendezvousError: the server refused the join (a subclass says why),
@@ -97,31 +115,44 @@ class Session:
         self._spare_port = request.master_port
         deadline = time.monotonic() + timeout_s
         attempt = 0
+        warned = False
         while True:
             remaining = deadline - time.monotonic()
             request.wait_timeout_ms = max(1, round(remaining * 1000))
             # The server answers DEADLINE_EXCEEDED (with who is missing) when the
             # wait ends; the call's own deadline only guards against a silent server.
             slack_s = min(5.0, 0.5 + remaining * 0.05)
+            addr = self._endpoints.address
             try:
-                response = self._stub.Join(request, timeout=remaining + slack_s, wait_for_ready=True)
+                # One server: wait for it to come up. Several: a dead one must not hold the join.
+                response = self._endpoints.stub.Join(request, timeout=remaining + slack_s,
+                                                     wait_for_ready=not self._endpoints.several)
                 break
             except grpc.RpcError as exc:
-                err = error_from_rpc(exc)
+                err, hint = error_from_rpc(exc), leader_hint(exc)
+                if err.code in _TRANSIENT and err.reason != _TIMEOUT:
+                    self._endpoints.failed(exc)  # to the leader it names, or the next replica
             if err.code not in _TRANSIENT or err.reason == _TIMEOUT:  # the server's own answer: final
                 raise err
             if time.monotonic() + 0.05 >= deadline:
                 raise ServerUnavailable(err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s:g} s ({err.details})")
-            if attempt == 0:
-                log.warning("rendezvous server %s: %s; retrying the join", self.server_addr, err)
-            time.sleep(min(backoff(attempt), max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
+            if not warned and not hint:  # following a hint is no trouble
+                warned = True
+                log.warning("rendezvous server %s: %s; retrying the join", addr, err)
+            time.sleep(min(self._backoff(attempt), max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
             attempt += 1
+        self._endpoints.succeeded()
         self._ttl_s = response.lease_ttl_ms / 1000
+        self._ttl_known = True
         self.assignment = Assignment.from_proto(response.assignment, response.member_id)
         self._generation = self.assignment.generation
         self._thread = threading.Thread(target=self._run, name="commctx-session", daemon=True)
         self._thread.start()
         return self.assignment
+
+    def _backoff(self, attempt: int) -> float:
+        """The pause before try `attempt` + 1: at most a third of the lease once it is known."""
+        return backoff(attempt, self._ttl_s / 3 if self._ttl_known else JOIN_BACKOFF_MAX_S)
 
     # -- the session thread -------------------------------------------------------
 
@@ -142,29 +173,42 @@ class Session:
 
     def _run(self) -> None:
         attempt = 0
-        outage_since: float | None = None
+        outage: tuple[float, str] | None = None  # since when, and the replica that went away
+        warned = False  # about this outage
         while not self._stop.is_set():
-            call = self._stub.Session(self._requests())
+            addr = self._endpoints.address
+            call = self._endpoints.stub.Session(self._requests())
             self._call = call
+            answered = False
             try:
                 for event in call:
-                    if outage_since is not None:
-                        log.warning("rendezvous server %s answers again after %.1f s", self.server_addr, time.monotonic() - outage_since)
-                        outage_since = None
-                    attempt = 0
+                    if not answered:
+                        answered, attempt = True, 0
+                        self._endpoints.succeeded()  # warns when the leader moved
+                        if outage is not None and warned and outage[1] == addr:
+                            log.warning("rendezvous server %s answers again after %.1f s", addr, time.monotonic() - outage[0])
+                        outage, warned = None, False
                     if self._handle(event):
                         return
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
                 err = error_from_rpc(exc)
-                if outage_since is None:
-                    outage_since = time.monotonic()
-                    log.warning(
-                        "rendezvous server %s unreachable (%s); the job keeps running, and the session "
-                        "reconnects when it answers again", self.server_addr, err.code,
-                    )
-            if self._stop.wait(backoff(attempt)):
+                self._endpoints.failed(exc)  # to the leader it names, or the next replica
+                if outage is None:
+                    outage = (time.monotonic(), addr)
+                if not warned and not leader_hint(exc):  # a replica handing over to a known leader is no outage
+                    warned = True
+                    if err.reason == NOT_LEADER:
+                        log.warning("rendezvous server %s is not the leader and knows none yet; the job keeps running, "
+                                    "and the session reconnects when a leader answers", addr)
+                    else:
+                        log.warning(
+                            "rendezvous server %s unreachable (%s); the job keeps running, and the session "
+                            "reconnects when %s answers again", addr, err.code,
+                            "the leader" if self._endpoints.several else "it",
+                        )
+            if self._stop.wait(self._backoff(attempt)):
                 return
             attempt = min(attempt + 1, 10)
 
@@ -259,9 +303,10 @@ class Session:
         if self._thread is not None:
             self._thread.join(timeout=10.0)
         if leave and self.assignment is not None:
-            try:
-                self._stub.Leave(pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret),
-                                 timeout=leave_timeout_s)
+            try:  # to the leader, following a hint if the leader moved
+                LeaderStub(self._endpoints).Leave(
+                    pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret),
+                    timeout=leave_timeout_s)
             except grpc.RpcError as exc:
                 log.debug("leave failed: %s", error_from_rpc(exc))
-        self._channel.close()
+        self._endpoints.close()
