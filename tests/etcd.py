@@ -30,9 +30,11 @@ def free_port() -> int:
 
 
 class Etcd:
-    """One etcd member on 127.0.0.1; `stop()` and `start()` again keep its data (an outage)."""
+    """One etcd member on 127.0.0.1; `stop()` and `start()` again keep its data (an outage).
+    With `tls` (cert, key, client CA: PEM paths), clients speak TLS and need a certificate of that CA."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[str, str, str] | None = None) -> None:
+        self.tls = tls
         self.data = tempfile.mkdtemp(prefix="commctx-etcd-")
         self.client_port, self.peer_port = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
@@ -41,15 +43,25 @@ class Etcd:
 
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
-        client = f"http://{self.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{self.endpoint}"
+        tls = ["--cert-file", self.tls[0], "--key-file", self.tls[1], "--trusted-ca-file", self.tls[2],
+               "--client-cert-auth"] if self.tls else []
         self.log = open(os.path.join(self.data, "etcd.log"), "ab")
         self.proc = subprocess.Popen(
             [etcd_binary(), "--name", "t", "--data-dir", os.path.join(self.data, "d"),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
-             "--log-level", "error"],
+             "--log-level", "error", *tls],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
+        if self.tls:  # no TLS client here: wait for the port
+            while True:
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", self.client_port)) == 0:
+                        return
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd did not start: {open(os.path.join(self.data, 'etcd.log')).read()[-2000:]}")
+                time.sleep(0.05)
         with grpc.insecure_channel(self.endpoint) as ch:
             while True:
                 try:
@@ -58,6 +70,14 @@ class Etcd:
                 except grpc.FutureTimeoutError:
                     if self.proc.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"etcd did not start: {open(os.path.join(self.data, 'etcd.log')).read()[-2000:]}")
+
+    def ctl(self, *args: str) -> str:
+        """etcdctl against this etcd (plaintext only)."""
+        binary = os.path.join(os.path.dirname(etcd_binary()), "etcdctl")
+        out = subprocess.run([binary, "--endpoints", self.endpoint, *args], capture_output=True, text=True, timeout=30)
+        if out.returncode:
+            raise RuntimeError(f"etcdctl {' '.join(args)}: {out.stderr}")
+        return out.stdout
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pathlib
 import sqlite3
+import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.server.errors import NotFound
 from commctx.server.planning import JobSpec, SeatedNode, Seating
@@ -15,6 +18,8 @@ from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobState, JoinParams, job_secret_digest, secret_digest
 from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
 from commctx.server.rendezvous.sqlite import SqliteStore
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from commctx.server.rendezvous.store import (
     DeleteJob,
     DeleteMember,
@@ -265,3 +270,65 @@ def test_etcd_that_cannot_be_reached_is_a_store_error_naming_it():
         store.close()
     with pytest.raises(StoreError, match="--etcd-endpoints: 'nohost' is not host:port"):
         EtcdStore(EtcdConfig(("nohost",)))
+
+
+def test_etcd_over_mutual_tls_and_with_a_user(tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    server_cert, client_cert = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("commctx-server")
+    paths = {}
+    for name, blob in (("ca", ca.cert_pem), ("cert", server_cert.cert_chain_pems[0]), ("key", server_cert.private_key_pem),
+                       ("ccert", client_cert.cert_chain_pems[0]), ("ckey", client_cert.private_key_pem)):
+        paths[name] = tmp_path / f"{name}.pem"
+        blob.write_to_path(str(paths[name]))
+    secure = Etcd(tls=(str(paths["cert"]), str(paths["key"]), str(paths["ca"])))
+    try:
+        config = EtcdConfig((secure.endpoint,), ca=paths["ca"].read_bytes(), cert=paths["ccert"].read_bytes(),
+                            key=paths["ckey"].read_bytes())
+        store = EtcdStore(config)
+        epoch = store.take_over()
+        store.commit([PutJob(JobRecord("tls", SPEC, "forming", 0, "", None))], epoch)
+        assert [j.job_id for j in store.load()] == ["tls"]
+        store.close()
+        anonymous = EtcdStore(EtcdConfig((secure.endpoint,), ca=paths["ca"].read_bytes(), timeout_s=2))
+        with pytest.raises(StoreError, match=f"etcd {secure.endpoint}: UNAVAILABLE"):  # no client certificate
+            anonymous.load()
+        anonymous.close()
+    finally:
+        secure.close()
+
+    plain = Etcd()
+    try:
+        plain.ctl("user", "add", "root:s3cret-pw")
+        plain.ctl("auth", "enable")
+        store = EtcdStore(EtcdConfig((plain.endpoint,), user="root", password="s3cret-pw"))
+        epoch = store.take_over()
+        store.commit([PutJob(JobRecord("authed", SPEC, "forming", 0, "", None))], epoch)
+        assert [j.job_id for j in store.load()] == ["authed"]
+        store.close()
+        for user, password in (("root", "wrong"), ("", "")):
+            store = EtcdStore(EtcdConfig((plain.endpoint,), user=user, password=password))
+            with pytest.raises(StoreError, match=f"etcd {plain.endpoint}: (INVALID_ARGUMENT|PERMISSION_DENIED|UNAUTHENTICATED)"):
+                store.take_over()
+            store.close()
+        # A replica process with the user from its flag and the password from the environment leads and serves.
+        from .cluster import Server
+        from .etcd import free_port
+
+        replica = Server("127.0.0.1", "--port", str(free_port()), "--store", "etcd", "--etcd-endpoints", plain.endpoint,
+                         "--etcd-prefix", "/replica", "--etcd-user", "root", env={"COMMCTX_ETCD_PASSWORD": "s3cret-pw"})
+        try:
+            with grpc.insecure_channel(replica.address) as ch:
+                health, deadline = health_pb2_grpc.HealthStub(ch), time.monotonic() + 15
+                while health.Check(health_pb2.HealthCheckRequest(service="commctx.v1.Rendezvous"), timeout=5).status != 1:
+                    assert time.monotonic() < deadline, replica.log()  # elected, through etcd's authentication
+                    time.sleep(0.05)
+                joined = pb_grpc.RendezvousStub(ch).Join(pb.JoinRequest(
+                    job_id="via-replica", spec=pb.JobSpec(world_size=1), node_key="n", address="127.0.0.1", master_port=9),
+                    timeout=20, wait_for_ready=True)
+            assert joined.assignment.world_size == 1
+        finally:
+            replica.stop()
+    finally:
+        plain.close()
