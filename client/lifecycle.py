@@ -26,7 +26,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch
 from .assignment import Assignment
-from .errors import CommContextError
+from .errors import CommContextError, ServerUnavailable
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
@@ -158,7 +158,11 @@ class Membership:
             RendezvousError: the server refused the join or the world did not form in time.
         """
         host, port = server_addresses(server_addr)[0]  # of several replicas, the route to the first
-        address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
+        try:
+            address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
+        except OSError as exc:  # e.g. a host name that does not resolve
+            raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: host {host!r}: "
+                                    f"{exc.strerror or exc}") from None
         session = Session(server_addr, tls, token)  # first: a TLS file that cannot be read fails before any socket is held
         try:
             spare = _listen_on(address)

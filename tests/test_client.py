@@ -229,6 +229,8 @@ def test_unreachable_server_is_a_typed_error():
         port = s.getsockname()[1]  # nothing listens here
     with pytest.raises(ServerUnavailable, match="no answer from rendezvous server"):
         CommContext.join(f"127.0.0.1:{port}", job_id="x", world_size=1, timeout=0.2)
+    with pytest.raises(ServerUnavailable, match="cannot reach rendezvous server nohost.invalid:50051: host 'nohost.invalid'"):
+        CommContext.join("nohost.invalid:50051", job_id="x", world_size=1, timeout=0.2)  # not a raw socket.gaierror
 
 
 def test_a_missing_torch_internal_is_a_commctx_error_naming_the_version(monkeypatch):
