@@ -11,7 +11,10 @@ the history and the final state:
   member of a world saw the same world (size, generation, master);
 - generations never go backwards for a member;
 - no answered Leave comes back: the member is unknown at the end;
-- every completed Join is in the final state unless answered Leave.
+- every completed Join is in the final state unless answered Leave (a Leave
+  retried after a failover may find its first try applied: NOT_FOUND), or its
+  renewals failed for a whole lease (counted, and expected only when the
+  machine is overloaded).
 
 COMMCTX_CHAOS_S sets how long the storms go on (default 20 s; the README
 gives the longest local run)."""
@@ -40,7 +43,7 @@ from .test_ha import Replicas
 
 DURATION_S = float(os.environ.get("COMMCTX_CHAOS_S", "20"))
 pytestmark = [pytest.mark.timeout(DURATION_S * 3 + 180), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")]
-WORKERS, PER_JOB, KILL_EVERY_S, LEASE_TTL_S = 500, 4, 3.0, 6.0
+WORKERS, PER_JOB, KILL_EVERY_S, LEASE_TTL_S, STORM_S = 500, 4, 3.0, 6.0, 20 / 6
 
 
 class Fleet:
@@ -94,6 +97,8 @@ class History:
     secrets: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # member -> (job, secret)
     failed_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     settled: int = 0  # workers whose history is final
+    renewed: dict[str, list[float]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))  # answer times
+    lost: dict[str, str] = dataclasses.field(default_factory=dict)  # member -> why a renewal found it gone
 
 
 async def worker(fleet: Fleet, history: History, job: str, node: str, leave_after: float | None,
@@ -113,6 +118,7 @@ async def worker(fleet: Fleet, history: History, job: str, node: str, leave_afte
             history.failed_calls[f"Join {err.code().name}"] += 1
             return
         a = answer.assignment
+        history.renewed[member].append(time.monotonic())
         history.joined[member] = (job, a.generation, a.rank, a.world_size, a.dist_url)
         history.generations[member].append(a.generation)
         ends = time.monotonic() + leave_after if leave_after is not None else None
@@ -123,8 +129,12 @@ async def worker(fleet: Fleet, history: History, job: str, node: str, leave_afte
                 renewed = await fleet.call("KeepAlive", pb.KeepAliveRequest(
                     job_id=job, member_id=member, member_secret=secret, generation=a.generation), time.monotonic() + LEASE_TTL_S)
                 history.generations[member].append(renewed.generation)
+                history.renewed[member].append(time.monotonic())
             except grpc.aio.AioRpcError as err:
                 history.failed_calls[f"KeepAlive {err.code().name}"] += 1
+                if err.code() is grpc.StatusCode.NOT_FOUND:
+                    history.lost[member] = err.details()
+                    break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(checked.wait(), LEASE_TTL_S / 3 * random.uniform(0.8, 1.0))
         if ends is not None:
@@ -133,6 +143,8 @@ async def worker(fleet: Fleet, history: History, job: str, node: str, leave_afte
                 history.left.add(member)
             except grpc.aio.AioRpcError as err:
                 history.failed_calls[f"Leave {err.code().name}"] += 1
+                if err.code() is grpc.StatusCode.NOT_FOUND:  # a retry of a Leave applied before a failover: gone
+                    history.left.add(member)
     finally:
         if not settled:
             history.settled += 1
@@ -167,15 +179,17 @@ async def test_chaos_history_is_consistent(replicas):
     chaos = asyncio.create_task(killer(replicas, stop, kills))
     started, jobs, tasks = time.monotonic(), 0, []
     try:
-        while time.monotonic() - started < DURATION_S:  # a storm: 50 jobs of 4 join at once, a third of them leave soon
-            storm = []
+        while time.monotonic() - started < DURATION_S:
+            # A storm every STORM_S: 41 jobs of 4 join at once; a third leave within 3 s; in a long run the
+            # rest leave after 10-30 s, but those of the last 30 s, which stay to the end.
+            storm, left_s = [], DURATION_S - (time.monotonic() - started)
             for _ in range(WORKERS // PER_JOB // 3):
-                job, leaves = f"job-{jobs}", random.random() < 0.35
+                job, dice = f"job-{jobs}", random.random()
                 jobs += 1
-                for w in range(PER_JOB):
-                    storm.append(worker(fleet, history, job, f"node{w % 2}", random.uniform(0.5, 3) if leaves else None, checked))
+                stay = random.uniform(0.5, 3) if dice < 0.35 else None if left_s < 30 else random.uniform(10, 30)
+                storm += [worker(fleet, history, job, f"node{w % 2}", stay, checked) for w in range(PER_JOB)]
             tasks += [asyncio.ensure_future(s) for s in storm]
-            await asyncio.sleep(DURATION_S / 6)
+            await asyncio.sleep(STORM_S)
     finally:
         stop.set()
         await chaos
@@ -195,6 +209,7 @@ async def test_chaos_history_is_consistent(replicas):
         shapes[job, gen].add((size, master))
     problems += [f"{key}: members saw different worlds {s}" for key, s in shapes.items() if len(s) > 1]
     problems += [f"{m}: generations went back {g}" for m, g in history.generations.items() if g != sorted(g)]
+    expired = 0
     for member, (job, secret) in history.secrets.items():
         if member not in history.joined:
             continue
@@ -206,13 +221,19 @@ async def test_chaos_history_is_consistent(replicas):
             elif renewed.generation != history.joined[member][1]:
                 problems.append(f"{member} of {job}: generation {renewed.generation}, joined {history.joined[member][1]}")
         except grpc.aio.AioRpcError as err:
-            if member not in history.left:
-                problems.append(f"{member} of {job} completed its Join but the final state lacks it: {err.code().name} {err.details()}")
+            times = history.renewed[member]
+            gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
+            if member in history.lost and gap >= LEASE_TTL_S * 0.9:
+                expired += 1  # its renewals failed for a lease's length (the machine overloaded): expiry is right
+            elif member not in history.left:
+                problems.append(f"{member} of {job} completed its Join but the final state lacks it: {err.code().name} "
+                                f"{err.details()} (longest gap between its renewals {gap:.1f} s)")
     checked.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     await fleet.close()
     summary = (f"{DURATION_S:g} s, {jobs} jobs, {len(history.joined)} joins answered, {len(history.left)} leaves answered, "
-               f"{len(kills)} leaders killed, failed calls {dict(history.failed_calls)}")
+               f"{len(kills)} leaders killed, {expired} members expired after renewals failed for a lease, "
+               f"failed calls {dict(history.failed_calls)}")
     print(summary)
     assert not problems, summary + "\n" + "\n".join(problems[:30])
-    assert len(kills) >= DURATION_S / KILL_EVERY_S - 2 and len(history.joined) >= WORKERS and history.left, summary
+    assert len(kills) >= DURATION_S / (KILL_EVERY_S + 1) - 1 and len(history.joined) >= WORKERS and history.left, summary
