@@ -21,7 +21,7 @@ import torch.distributed as dist
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
-from .errors import CommContextError, GroupNotFound
+from .errors import CommContextError, GroupNotFound, MemberNotFound
 from .lifecycle import LauncherEnv, Membership, job_spec_of, resolve_backend
 from .modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
 from .lifecycle import DESTROY_TIMEOUT_S
@@ -189,8 +189,11 @@ class CommContext:
             RendezvousTimeout: no new world within `timeout`.
         """
         membership = self._joined()
-        if membership.session.world_change is None:
+        change = membership.session.world_change
+        if change is None:
             raise CommContextError("the world has not changed; rejoin() follows a world change")
+        if change.final:
+            raise MemberNotFound("NOT_FOUND", change.reason)
         membership.rejoin(self._registry, timeout)
         return self
 

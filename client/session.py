@@ -51,10 +51,13 @@ JOIN_BACKOFF_MAX_S = 3.0  # before the lease is known
 
 @dataclasses.dataclass(frozen=True)
 class WorldChange:
-    """The server is re-forming the world this worker is in."""
+    """The server is re-forming the world this worker is in or, `final`, the
+    job cannot go on for this worker (below its minimum, ended, or its lease
+    lost): then `rejoin()` raises MemberNotFound with `reason`."""
 
     generation: int  # the generation being replaced
     reason: str
+    final: bool = False
 
 
 def backoff(attempt: int, max_s: float = BACKOFF_MAX_S) -> float:
@@ -231,17 +234,19 @@ class Session:
                 self._lock.notify_all()
             if not self._stop.is_set():  # no news while this worker is leaving anyway
                 log.warning("membership of %s in job %r is over: %s", self.member_id, self._job_id, event.gone)
+                self._changed(WorldChange(self._generation, event.gone, final=True))
             return True
         return False
 
     def _changed(self, change: WorldChange) -> None:
         with self._lock:
-            if self._change is not None:
-                return
+            if self._change is not None and (self._change.final or not change.final):
+                return  # once per change; a final one replaces one that was not
             self._change = change
             callbacks = list(self._callbacks)
             self._lock.notify_all()
-        log.warning("the world of generation %d is changing: %s", change.generation, change.reason)
+        if not change.final:
+            log.warning("the world of generation %d is changing: %s", change.generation, change.reason)
         for callback in callbacks:
             try:
                 callback(change)

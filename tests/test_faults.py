@@ -67,6 +67,24 @@ def test_a_killed_worker_is_replaced_by_a_smaller_world():
             assert w.event(60)["event"] == "destroyed"
 
 
+def test_a_job_below_its_minimum_is_a_final_world_change():
+    """Elastic, min 2, two workers; SIGKILL one. The survivor's job cannot go
+    on, and it learns so as an event: wait_world_change() returns a change with
+    `final` and the reason, its callback ran, and rejoin() raises MemberNotFound."""
+    spec = {"elastic": {"min_size": 2, "last_call_ms": 10_000}}
+    server = Server("127.0.0.1", "--lease-ttl-s", str(TTL))
+    workers = [worker(server.address, "small", 2, node_key="n", spec=spec, name=f"w{i}") for i in range(2)]
+    with running([server, *workers]):
+        assert sorted(w.event(120)["rank"] for w in workers) == [0, 1]
+        workers[1].kill()
+        workers[0].send("ended")
+        ended = workers[0].event(TTL + 30)
+        assert (ended["final"], ended["same"], ended["callbacks"]) == (True, True, 1), ended
+        assert "expired" in ended["reason"] and "fewer than the minimum of 2" in ended["reason"], ended
+        assert ended["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: job 'small'"), ended
+        assert ended["reason"] in ended["rejoin_error"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

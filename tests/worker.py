@@ -6,6 +6,8 @@ one JSON line per command read from stdin:
   reduce    -> {"event": "reduced", "sums": {...}}
   rejoin    -> waits for the server to announce a world change, then rejoin():
                {"event": "rejoined", "changed_at": wall time the change arrived, ...as joined}
+  ended     -> waits for a world change; the job cannot go on for this worker:
+               {"event": "ended", "final", "reason", "callbacks", "rejoin_error"}
   destroy   -> {"event": "destroyed", "seconds": ...}
 """
 
@@ -81,6 +83,15 @@ def main() -> None:
             change = ctx.wait_world_change(120)
             ctx.rejoin(timeout=120)
             report(ctx, "rejoined", changed_at=changed_at[-1], reason=change.reason)
+        elif command == "ended":
+            change = ctx.wait_world_change(120)
+            try:
+                ctx.rejoin(timeout=5)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - reported for the test to check
+                error = f"{type(exc).__name__}: {exc}"
+            emit(event="ended", final=change.final, reason=change.reason, same=ctx.world_change == change,
+                 callbacks=len(changed_at), rejoin_error=error)
         elif command == "destroy":
             t = time.perf_counter()
             ctx.destroy()
