@@ -5,7 +5,8 @@ binary); the leader is killed with SIGKILL. How long until
 - a forming job's next worker is answered: the job's first worker waits in
   Join at the leader; at the kill a second worker joins, and the first
   re-attaches (same member id and secret), each trying the replicas as
-  CommContext does (hint first, else the next replica, backoff from 50 ms);
+  CommContext does (hint first, else the next replica; its backoff: full
+  jitter, at most a third of the 10 s lease);
 - an idle member's renewal is accepted (KeepAlive, tried every 50 ms)?
 
 Clock: from the SIGKILL. The bound is --election-ttl-s + 1 s. Each run starts
@@ -30,6 +31,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from commctx.session import backoff
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -69,7 +71,7 @@ class Client:
                 if err.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.current = hint(err) or self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
-            await asyncio.sleep(retry_s if retry_s is not None else min(0.05 * 2 ** attempt, 10 / 3))
+            await asyncio.sleep(retry_s if retry_s is not None else backoff(attempt, 10 / 3))  # CommContext's: full jitter, <= TTL/3
             attempt += 1
 
     async def leader(self) -> str:

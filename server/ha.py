@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -100,7 +101,8 @@ class Replica:
             try:
                 granted_at = self._clock()
                 lease_id = (await self._unary(self._leases.LeaseGrant, rpc.LeaseGrantRequest(TTL=self._ttl))).ID
-                keeper = asyncio.create_task(self._keep(lease_id, granted_at), name="commctx-election-lease")
+                stop_keeping = threading.Event()
+                keeper = asyncio.ensure_future(asyncio.to_thread(self._keep, lease_id, granted_at, stop_keeping))
                 keeper.add_done_callback(lambda t: t.cancelled() or t.exception())  # read here or in _lead
                 self._leader_changed.clear()
                 reply = await self._unary(self._kv.Txn, rpc.TxnRequest(
@@ -126,6 +128,7 @@ class Replica:
                 attempt = min(attempt + 1, 8)
             finally:
                 if lease_id:
+                    stop_keeping.set()
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         await self._unary(self._leases.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
 
@@ -162,30 +165,29 @@ class Replica:
         log.info("following", extra={"fields": {"leader": leader}})
         await self._leader_changed.wait()
 
-    async def _keep(self, lease_id: int, granted_at: float) -> None:
-        """Renews the lease every TTL/3; raises LeaseLost once the last renewal
-        etcd confirmed could have run out (less a margin)."""
+    def _keep(self, lease_id: int, granted_at: float, stop: threading.Event) -> None:
+        """Renews the lease every TTL/3 until `stop`; raises LeaseLost once the
+        last renewal etcd confirmed could have run out (less a margin). Runs in a
+        thread of its own through the blocking gRPC API: a leader busy with a
+        burst of ten thousand joins must not lose its lease because its
+        renewals wait behind them on the event loop."""
+        leases = rpc.LeaseStub(self._store.channel)
         trusted_until = granted_at + self._ttl - self._margin
-        while True:
+        while not stop.is_set():
+            sent = self._clock()
             try:
-                call = self._leases.LeaseKeepAlive(metadata=await self._metadata())
-                while True:
-                    sent = self._clock()
-                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-                    reply = await asyncio.wait_for(call.read(), max(0.01, trusted_until - self._clock()))
-                    if reply is grpc.aio.EOF:
-                        break
-                    if reply.TTL <= 0:
-                        raise LeaseLost("the election lease expired")
-                    trusted_until = sent + reply.TTL - self._margin
-                    await asyncio.sleep(self._ttl / 3)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass  # etcd unreachable for now: try again while the lease may still hold
-            except TimeoutError:
-                raise LeaseLost("no lease renewal answered in time") from None
+                replies = leases.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), metadata=self._token,
+                                                timeout=max(0.05, trusted_until - sent))
+                reply = next(replies)
+                if reply.TTL <= 0:
+                    raise LeaseLost("the election lease expired")
+                trusted_until = sent + reply.TTL - self._margin
+                pause = self._ttl / 3
+            except (grpc.RpcError, StopIteration):
+                pause = 0.2  # etcd unreachable for now: try again while the lease may still hold
             if self._clock() >= trusted_until:
                 raise LeaseLost("no lease renewal answered in time")
-            await asyncio.sleep(min(0.2, max(0.0, trusted_until - self._clock())))
+            stop.wait(min(pause, max(0.0, trusted_until - self._clock())))
 
     # -- the warm copy ---------------------------------------------------------------
 

@@ -222,9 +222,9 @@ class EtcdStore(Store):
         self.config = config
         target, options = target_and_options(config)
         creds = credentials(config)
-        self._channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
-        self._kv = rpc.KVStub(self._channel)
-        self._auth = rpc.AuthStub(self._channel)
+        self.channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
+        self._kv = rpc.KVStub(self.channel)
+        self._auth = rpc.AuthStub(self.channel)
         self._token: tuple[tuple[str, str], ...] = ()
         self._lock = threading.Lock()
 
@@ -271,4 +271,4 @@ class EtcdStore(Store):
         return rpc.RequestOp(request_range=rpc.RangeRequest(key=start, range_end=_prefix_end(start)))
 
     def close(self) -> None:
-        self._channel.close()
+        self.channel.close()
