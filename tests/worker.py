@@ -90,6 +90,9 @@ def main() -> None:
                 error = None
             except Exception as exc:  # noqa: BLE001 - reported for the test to check
                 error = f"{type(exc).__name__}: {exc}"
+            deadline = time.monotonic() + 5
+            while not changed_at and time.monotonic() < deadline:  # the callback runs on the session thread
+                time.sleep(0.01)
             emit(event="ended", final=change.final, reason=change.reason, same=ctx.world_change == change,
                  callbacks=len(changed_at), rejoin_error=error)
         elif command == "destroy":
