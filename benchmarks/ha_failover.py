@@ -28,10 +28,9 @@ import sys
 import time
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from commctx.session import backoff
+from commctx.transport import leader_hint
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -45,15 +44,6 @@ def replica(etcd: Etcd, port: int, ttl: float) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
     assert "listening on" in proc.stdout.readline()
     return proc
-
-
-def hint(err: grpc.aio.AioRpcError) -> str:
-    status = rpc_status.from_call(err)
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info) and info.reason == "NOT_LEADER":
-            return info.metadata.get("leader", "")
-    return ""
 
 
 class Client:
@@ -70,7 +60,7 @@ class Client:
             except grpc.aio.AioRpcError as err:
                 if err.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise
-                self.current = hint(err) or self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
+                self.current = leader_hint(err) or self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
             await asyncio.sleep(retry_s if retry_s is not None else backoff(attempt, 10 / 3))  # CommContext's: full jitter, <= TTL/3
             attempt += 1
 

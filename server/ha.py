@@ -26,7 +26,7 @@ from collections.abc import Callable
 import grpc
 from aetcd import rpc
 
-from .rendezvous.etcd import EtcdConfig, EtcdStore, credentials, records_of, target_and_options
+from .rendezvous.etcd import EtcdConfig, EtcdStore, credentials, prefix_end, records_of, target_and_options
 from .rpc.app import RendezvousServer
 
 log = logging.getLogger("commctx.server")
@@ -34,10 +34,6 @@ log = logging.getLogger("commctx.server")
 
 class LeaseLost(Exception):
     """The election lease can no longer be trusted."""
-
-
-def _prefix_end(key: bytes) -> bytes:
-    return key[:-1] + bytes([key[-1] + 1])
 
 
 class Replica:
@@ -193,14 +189,14 @@ class Replica:
 
     def _values(self, name: str) -> list[bytes]:
         start = self._config.key_of(name, "")
-        end = _prefix_end(start)
+        end = prefix_end(start)
         return [v for k, v in self._copy.items() if start <= k < end]
 
     async def _mirror(self) -> None:
         """Keeps `_copy` equal to the prefix: one read, then its watch events;
         again from a fresh read after any error or a compaction."""
         prefix = self._config.key_of("")
-        end = _prefix_end(prefix)
+        end = prefix_end(prefix)
         while True:
             try:
                 reply = await self._unary(self._kv.Range, rpc.RangeRequest(key=prefix, range_end=end))

@@ -35,6 +35,15 @@ from .telemetry import configure_logging
 log = logging.getLogger("commctx.server")
 
 
+def read_file(path: str, flag: str) -> bytes:
+    """Raises: OSError naming the flag and the file that cannot be read."""
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise OSError(f"cannot read {flag} {path}: {exc.strerror}") from None
+
+
 def read_tls(config: Config) -> ServerTls | None:
     """The TLS files the configuration names, read.
 
@@ -43,16 +52,8 @@ def read_tls(config: Config) -> ServerTls | None:
     """
     if not config.tls_cert:
         return None
-
-    def read(path: str, flag: str) -> bytes:
-        try:
-            with open(os.path.expanduser(path), "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise OSError(f"cannot read {flag} {path}: {exc.strerror}") from None
-
-    return ServerTls(read(config.tls_cert, "--tls-cert"), read(config.tls_key, "--tls-key"),
-                     read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
+    return ServerTls(read_file(config.tls_cert, "--tls-cert"), read_file(config.tls_key, "--tls-key"),
+                     read_file(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
 
 
 def reload_tokens(callers: Callers) -> None:
@@ -68,13 +69,7 @@ def reload_tokens(callers: Callers) -> None:
 def etcd_config(config: Config) -> EtcdConfig:
     """Raises: OSError naming a TLS file that cannot be read."""
     def read(path: str, flag: str) -> bytes | None:
-        if not path:
-            return None
-        try:
-            with open(os.path.expanduser(path), "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise OSError(f"cannot read {flag} {path}: {exc.strerror}") from None
+        return read_file(path, flag) if path else None
 
     return EtcdConfig(
         tuple(e.strip() for e in config.etcd_endpoints.split(",") if e.strip()), config.etcd_prefix,

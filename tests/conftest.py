@@ -58,3 +58,15 @@ async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: flo
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout_s} s: {what or check}")
         await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def cluster():
+    """A real etcd and three HA replicas over it (tests/etcd.py); stopped after the test."""
+    from .etcd import Etcd, Replicas
+
+    etcd = Etcd()
+    replicas = Replicas(etcd)
+    yield replicas
+    replicas.close()
+    etcd.close()

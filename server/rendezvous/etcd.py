@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
+from ..planning import JobSpec
 from .store import (
     DeleteJob,
     DeleteMember,
@@ -47,8 +48,6 @@ from .store import (
     Write,
     seating_from_record,
     seating_record,
-    spec_from_json,
-    spec_json,
 )
 
 MAX_TXN_BYTES = 1 << 20  # etcd refuses requests over --max-request-bytes (1.5 MiB by default)
@@ -124,7 +123,7 @@ def credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:
 
 def job_value(job: JobRecord) -> bytes:
     return json.dumps({
-        "job_id": job.job_id, "spec": json.loads(spec_json(job.spec)), "state": job.state, "generation": job.generation,
+        "job_id": job.job_id, "spec": job.spec.to_json(), "state": job.state, "generation": job.generation,
         "reason": job.reason, "world": seating_record(job.world) if job.world is not None else None, "seal": job.seal,
     }, separators=(",", ":")).encode()
 
@@ -146,12 +145,13 @@ def records_of(jobs: Sequence[bytes], members: Sequence[bytes]) -> list[JobRecor
         j = json.loads(value)
         world = seating_from_record(j["world"]) if j["world"] is not None else None
         ms = tuple(sorted(by_job.get(j["job_id"], ()), key=lambda m: m.seq))
-        out.append(JobRecord(j["job_id"], spec_from_json(json.dumps(j["spec"])), j["state"], j["generation"], j["reason"],
+        out.append(JobRecord(j["job_id"], JobSpec.from_json(j["spec"]), j["state"], j["generation"], j["reason"],
                              world, ms, j["seal"]))
     return sorted(out, key=lambda j: j.job_id)
 
 
-def _prefix_end(key: bytes) -> bytes:
+def prefix_end(key: bytes) -> bytes:
+    """The end of the key range of every key that starts with `key`."""
     return key[:-1] + bytes([key[-1] + 1])
 
 
@@ -196,7 +196,7 @@ def transactions(config: EtcdConfig, writes: Sequence[Write]) -> Iterator[list[r
             key = config.key_of("jobs", w.job_id)
             yield from add(key, rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), len(key))
             start = config.key_of("members", w.job_id, "")
-            end = _prefix_end(start)
+            end = prefix_end(start)
             for k in [k for k in txn.ops if start <= k < end]:  # superseded by the range delete
                 del txn.ops[k]
             txn.ranges.append((start, end))
@@ -268,7 +268,7 @@ class EtcdStore(Store):
 
     def _range(self, name: str) -> rpc.RequestOp:
         start = self.config.key_of(name, "")
-        return rpc.RequestOp(request_range=rpc.RangeRequest(key=start, range_end=_prefix_end(start)))
+        return rpc.RequestOp(request_range=rpc.RangeRequest(key=start, range_end=prefix_end(start)))
 
     def close(self) -> None:
         self.channel.close()

@@ -84,17 +84,19 @@ class Waiters:
         future = self._by_job.get(key[0], {}).get(key[1])
         return future is not None and id(future) == key[2]
 
-    def refuse(self, job_id: str, outcome: WaitOutcome, exc: Exception) -> None:
-        """Ends with `exc` the waits `outcome` would have ended."""
+    def _ended_by(self, job_id: str, outcome: WaitOutcome) -> list[asyncio.Future[NewWorld]]:
+        """The waits `outcome` ends: its member's, the whole job's, or those of the world's members."""
         waiting = self._by_job.get(job_id, {})
         if isinstance(outcome, MemberGone):
-            futures = [waiting.get(outcome.member_id)]
-        elif isinstance(outcome, JobStopped):
-            futures = list(waiting.values())
-        else:
-            futures = [f for mid, f in waiting.items() if mid in outcome.plan.ranks]
-        for future in futures:
-            if future is not None and not future.done():
+            return [f for f in (waiting.get(outcome.member_id),) if f is not None]
+        if isinstance(outcome, JobStopped):
+            return list(waiting.values())
+        return [f for mid, f in waiting.items() if mid in outcome.plan.ranks]
+
+    def refuse(self, job_id: str, outcome: WaitOutcome, exc: Exception) -> None:
+        """Ends with `exc` the waits `outcome` would have ended."""
+        for future in self._ended_by(job_id, outcome):
+            if not future.done():
                 future.set_exception(exc)
 
     def fail_all(self, exc: Exception) -> None:
@@ -105,23 +107,17 @@ class Waiters:
                     future.set_exception(exc)
 
     async def wake(self, job_id: str, outcome: WaitOutcome) -> None:
-        waiting = self._by_job.get(job_id)
-        if not waiting:
-            return
+        futures = self._ended_by(job_id, outcome)
         if isinstance(outcome, MemberGone):
-            future = waiting.get(outcome.member_id)
-            if future is not None and not future.done():
-                future.set_exception(NotFound(f"member {outcome.member_id} left job {job_id!r} while waiting"))
-            return
-        if isinstance(outcome, JobStopped):
-            for future in list(waiting.values()):
-                if not future.done():
-                    future.set_exception(Conflict(outcome.reason))
-            return
-        placed = [f for mid, f in waiting.items() if mid in outcome.plan.ranks]
-        for i, future in enumerate(placed):
+            error: Exception | None = NotFound(f"member {outcome.member_id} left job {job_id!r} while waiting")
+        else:
+            error = Conflict(outcome.reason) if isinstance(outcome, JobStopped) else None
+        for i, future in enumerate(futures):
             if not future.done():
-                future.set_result(outcome)
+                if error is None:
+                    future.set_result(outcome)
+                else:
+                    future.set_exception(error)
             if i % SLICE == SLICE - 1:
                 await asyncio.sleep(0)
 

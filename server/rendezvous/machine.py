@@ -761,7 +761,7 @@ class Rendezvous:
 
     def _view(self, job: Job, first_node: int = 0, max_nodes: int | None = None) -> JobView:
         formed = job.state is JobState.FORMED
-        order, ranked = self._node_order(job)
+        order, ranked = self._node_order(job) if max_nodes != 0 else ([], {})  # ListJobs: no nodes, no ordering
         nodes = []
         for k in order[first_node:None if max_nodes is None else first_node + max_nodes]:
             node = job.nodes[k]
