@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from commctx.server.errors import AlreadyExists, Conflict, JobFull, NotFound, StaleGeneration
+from commctx.server.errors import AlreadyExists, Conflict, InvalidArgument, JobFull, NotFound, StaleGeneration
 from commctx.server.planning import JobSpec, PlanError, plan_world
 from commctx.server.rendezvous.machine import Actions, Rendezvous
 from commctx.server.rendezvous.model import (
@@ -641,3 +641,184 @@ def test_failed_jobs_are_kept_within_their_count_the_oldest_dropped_first(clock)
     clock.now += 60
     rdzv.expire_due()
     assert rdzv.job_ids() == []
+
+
+def test_failed_jobs_kept_and_the_age_of_a_job_survive_a_restart(clock):
+    from commctx.server.rendezvous.model import Limits
+
+    wall = FakeClock()
+    wall.now = 1_800_000_000.0
+    limits = Limits(retain_ended_jobs=2, retain_ended_s=60)
+    store = MemoryStore()
+    epoch = store.take_over()
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=wall, limits=limits)
+
+    def tick(s: float) -> None:
+        clock.now += s
+        wall.now += s
+
+    def persist(actions: Actions) -> Actions:
+        store.commit(actions.writes, epoch)
+        return actions
+
+    persist(rdzv.join(params(JobSpec.build(2), "n9", job="forming"))[1])
+    for name in ("j1", "j2", "j3"):
+        a, actions = join(rdzv, params(JobSpec.build(2), "n0", job=name))
+        persist(actions)
+        persist(join(rdzv, params(JobSpec.build(2), "n1", job=name))[1])
+        tick(1)
+        persist(rdzv.keep_alive(name, a, 1)[2])
+    tick(TTL)
+    writes = persist(rdzv.expire_due()[0]).writes
+    tick(TTL)
+    writes += persist(rdzv.expire_due()[0]).writes
+    assert DeleteJob("j1") in writes  # the oldest, dropped from the store too
+    tick(20)
+    later = FakeClock()  # a restart: the monotonic clock starts anew
+    again = Rendezvous(lease_ttl_s=TTL, clock=later, wall=wall, limits=limits)
+    again.restore(store.load(), grace_s=5)
+    assert again.job_ids() == ["forming", "j2", "j3"]
+    view = again.describe("j3")
+    assert view.state is JobState.FAILED and "fewer than the minimum of 2" in view.reason
+    assert again.describe("forming").forming_for_s == pytest.approx(3 + 2 * TTL + 20)  # AGE goes on
+    later.now += 60 - TTL - 20 - 1  # their workers were gone TTL + 20 s before the restart; 60 s are kept
+    again.expire_due()
+    assert again.job_ids() == ["j2", "j3"]  # (the forming job's worker did not re-attach within the grace)
+    later.now += 2
+    actions, _ = again.expire_due()
+    assert again.job_ids() == [] and {DeleteJob("j2"), DeleteJob("j3")} <= set(actions.writes)
+
+
+# -- node memberships (a launcher's agent joins its node's workers in one call) ----------
+
+
+def node(spec: JobSpec, key: str, workers: int, **kw) -> JoinParams:
+    return JoinParams.build(job_id="job", spec=spec, node_key=key, address="10.0.0.1", port=30000, workers=workers, **kw)
+
+
+def test_a_node_membership_is_seated_whole_as_local_ranks_0_to_n(rdzv):
+    spec = JobSpec.from_json({"world_size": 6, "layout": {"tp": 3, "within_node": ["tp"]}})
+    b, _ = join(rdzv, node(spec, "node-b", 3))
+    assert rdzv.describe("job").joined == 3 and rdzv.describe("job").nodes[0].workers == 3
+    a, actions = join(rdzv, node(spec, "node-a", 3))
+    (world,) = worlds(actions)
+    # nodes in key order; each node membership's workers are its node's local ranks 0..2
+    assert [world.assignment_for(m).placement[1:] for m in (a, f"{a}/1", f"{a}/2", b, f"{b}/1", f"{b}/2")] == [
+        (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2)]
+    groups = {g.mode: list(g.ranks[0].ranks()) for g in world.plan.groups_of(world.assignment_for(f"{b}/2").placement)}
+    assert groups == {"GLOBAL": [0, 1, 2, 3, 4, 5], "INTRA_NODE": [3, 4, 5], "INTER_NODE": [2, 5],
+                      "TENSOR_PARALLEL": [3, 4, 5], "DATA_PARALLEL": [2, 5], "SEQUENCE_PARALLEL": [5], "EXPERT": [5],
+                      "PIPELINE_PARALLEL": [5]}
+    assert sorted(world.plan.ranks) == sorted([a, f"{a}/1", f"{a}/2", b, f"{b}/1", f"{b}/2"])
+
+
+def test_a_node_membership_takes_its_node_alone_and_counts_its_workers(rdzv):
+    spec = JobSpec.from_json({"world_size": 5, "roles": [{"role": "t", "count": 2}, {"role": "r", "count": 3}]})
+    join(rdzv, node(spec, "a", 2, role="t"))
+    with pytest.raises(AlreadyExists, match="node 'a' of job 'job' is already joined as a whole node by its launcher"):
+        rdzv.join(params(spec, "a", role="r"))
+    with pytest.raises(JobFull, match="already has all 2 workers of role 't'"):
+        rdzv.join(node(spec, "b", 2, role="t"))
+    join(rdzv, params(spec, "b", role="r"))
+    with pytest.raises(AlreadyExists, match="node 'b' of job 'job' is already joined; a node membership"):
+        rdzv.join(node(spec, "b", 2, role="r"))
+    join(rdzv, params(spec, "c", role="r"))
+    with pytest.raises(JobFull, match="has 4 of 5 workers; node 'd' cannot add 2 more"):
+        rdzv.join(node(spec, "d", 2, role="r"))
+
+
+def test_node_membership_parameters_are_checked():
+    spec = JobSpec.build(4)
+    with pytest.raises(InvalidArgument, match=r"workers 5 is out of range 1..world_size \(4\)"):
+        node(spec, "a", 5)
+    with pytest.raises(InvalidArgument, match="local_rank 1 cannot be given with workers 2"):
+        node(spec, "a", 2, local_rank=1)
+
+
+def test_an_elastic_job_of_node_memberships_loses_and_gains_whole_nodes(rdzv, clock):
+    spec = elastic(6, 2, last_call_ms=0)  # torchrun --nnodes=1:3 --nproc-per-node=2
+    a, actions = join(rdzv, node(spec, "a", 2))
+    assert worlds(actions)[0].plan.world_size == 2  # one node is the minimum
+    sink = Sink("a")
+    rdzv.open_session("job", a, 1, sink, spare_port=30002)
+    b, actions = join(rdzv, node(spec, "b", 2))
+    (event,) = pushed(actions, sink)
+    assert isinstance(event, NewWorld) and event.plan.world_size == 4 and event.generation == 2
+    rdzv.open_session("job", b, 2, Sink("b"))
+    clock.now += TTL * 0.6
+    rdzv.renew("job", a, 2, spare_port=30003)  # rank 0 offers a spare for the next world's store
+    clock.now += TTL * 0.45  # b's one lease covers both its workers: it expires, whole
+    actions, _ = rdzv.expire_due()
+    (event,) = pushed(actions, sink)
+    assert isinstance(event, NewWorld) and event.plan.world_size == 2 and event.generation == 3
+    assert event.assignment_for(f"{a}/1").placement[1:] == (1, 0, 1)
+    assert rdzv.describe("job").joined == 2
+    rdzv.renew("job", a, 3, spare_port=30004)
+    c, actions = join(rdzv, node(spec, "c", 2))  # a newcomer grows the world by its whole node
+    (event,) = pushed(actions, sink)
+    assert event.plan.world_size == 4 and [n.node_key for n in event.plan.nodes] == ["a", "c"]
+
+
+def test_node_memberships_form_whole_even_when_the_maximum_would_split_one(rdzv):
+    spec = elastic(9, 3, last_call_ms=0, layout={"tp": 3})  # worlds of 3, 6 or 9; nodes of 2 workers
+    join(rdzv, node(spec, "a", 2))
+    _, actions = join(rdzv, node(spec, "b", 2))  # 4 present: a world of 3 would split b
+    assert not worlds(actions) and rdzv.describe("job").state is JobState.FORMING
+    _, actions = join(rdzv, node(spec, "c", 2))
+    assert worlds(actions)[0].plan.world_size == 6
+    _, actions = join(rdzv, node(spec, "d", 2))  # 8 present: 6 is still the largest whole world
+    assert not actions.pushes and not worlds(actions)
+    view = rdzv.describe("job")
+    assert (view.state, view.generation, view.waiting) == (JobState.FORMED, 1, 2)
+
+
+def test_a_node_membership_survives_a_restart(rdzv, clock):
+    store = MemoryStore()
+    epoch = store.take_over()
+    spec = JobSpec.build(4)
+    a, actions = join(rdzv, node(spec, "a", 2))
+    store.commit(actions.writes, epoch)
+    b, actions = join(rdzv, node(spec, "b", 2))
+    store.commit(actions.writes, epoch)
+    again = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    assert again.restore(store.load(), grace_s=5)[0] == 1
+    world = again.world_of("job")
+    assert world.assignment_for(f"{b}/1").placement[1:] == (3, 1, 1)
+    assert again.describe("job").joined == 4
+    again.leave("job", b)
+    assert again.describe("job").joined == 2
+
+
+def test_a_launcher_restarting_its_workers_re_forms_the_world_once(rdzv, clock):
+    spec = JobSpec.build(4)
+    a, _ = join(rdzv, node(spec, "a", 2))
+    b, _ = join(rdzv, node(spec, "b", 2))
+    sink_a, sink_b = Sink("a"), Sink("b")
+    rdzv.open_session("job", a, 1, sink_a, spare_port=30002)
+    rdzv.open_session("job", b, 1, sink_b)
+    actions = rdzv.restart("job", b, 1)  # b's worker failed; its agent restarts
+    # a may be dead (a failed peer is the usual cause): it is awaited until it renews
+    assert pushed(actions, sink_a) == [WorldChange(1, "node 'b' restarts its workers")]
+    _, actions = rdzv.renew("job", a, 1)
+    (event,) = pushed(actions, sink_a)
+    assert isinstance(event, NewWorld) and event.generation == 2 and event.reason == "node 'b' restarts its workers"
+    assert event.assignment_for(f"{b}/1").placement[1:] == (3, 1, 1)  # same seats, a fresh world
+    assert not rdzv.restart("job", a, 1)  # a asks for generation 1 too, late: nothing more
+    assert rdzv.describe("job").generation == 2
+
+
+def test_a_restart_leaves_out_a_node_that_does_not_renew(rdzv, clock):
+    spec = elastic(4, 2, last_call_ms=0)
+    a, _ = join(rdzv, node(spec, "a", 2))  # one node is the minimum: generation 1
+    sink_a = Sink("a")
+    rdzv.open_session("job", a, 1, sink_a, spare_port=30002)
+    b, _ = join(rdzv, node(spec, "b", 2))  # generation 2
+    rdzv.open_session("job", b, 2, Sink("b"))
+    rdzv.renew("job", a, 2, spare_port=30003)
+    rdzv.restart("job", a, 2)  # b's node just died; its lease looks fresh
+    assert rdzv.describe("job").state is JobState.FORMING
+    clock.now += TTL + 0.1
+    rdzv.renew("job", a, 2)
+    actions, _ = rdzv.expire_due()
+    (event,) = pushed(actions, sink_a)
+    assert isinstance(event, NewWorld) and event.generation == 3 and event.plan.world_size == 2

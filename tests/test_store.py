@@ -81,14 +81,16 @@ WORLD = Seating((SeatedNode("a", "10.0.0.1", ("m1", "m2")),), ("t", "r"), "10.0.
 
 
 def member(mid: str, seq: int, port: int = 0) -> MemberRecord:
-    return MemberRecord(mid, seq, "a", "10.0.0.1", port or 5000 + seq, None if seq % 2 else 1, None, "t", secret_digest(f"{seq:032x}"))
+    return MemberRecord(mid, seq, "a", "10.0.0.1", port or 5000 + seq, None if seq % 2 else 1, None, "t", secret_digest(f"{seq:032x}"),
+                        2 if seq % 2 else 1)  # odd: a node membership of 2 workers
 
 
 def test_roundtrip(make_store):
     s = make_store()
     epoch = s.take_over()
     s.commit([PutJob(JobRecord("j", SPEC, "formed", 3, "", WORLD)), PutMember("j", member("m2", 2)), PutMember("j", member("m1", 1)),
-              PutJob(JobRecord("k", JobSpec.build(1), "forming", 0, "", None, (), job_secret_digest("sealed-job-k")))], epoch)
+              PutJob(JobRecord("k", JobSpec.build(1), "failed", 0, "why", None, (), job_secret_digest("sealed-job-k"),
+                               1_800_000_000.25, 1_800_000_060.5))], epoch)
     s.close()
     loaded = make_store().load()
     assert [j.job_id for j in loaded] == ["j", "k"]
@@ -97,6 +99,7 @@ def test_roundtrip(make_store):
     assert j.members == (member("m1", 1), member("m2", 2))  # join order
     assert loaded[1].members == () and loaded[1].world is None
     assert (j.seal, loaded[1].seal) == ("", job_secret_digest("sealed-job-k"))  # only digests are kept
+    assert (j.since, loaded[1].since, loaded[1].retained_until) == (0.0, 1_800_000_000.25, 1_800_000_060.5)
 
 
 def test_writes_apply_in_order(make_store):
@@ -155,7 +158,7 @@ def v1_database(tmp_path: pathlib.Path) -> pathlib.Path:
 def test_a_first_release_database_is_migrated(tmp_path):
     directory = v1_database(tmp_path)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
     restored, _ = machine.restore(store.load(), grace_s=10)
     assert restored == 4
@@ -183,7 +186,7 @@ def test_a_first_release_database_is_migrated(tmp_path):
     members = {m.member_id: m for j in store.load() for m in j.members}
     assert members["0000000000000004"].port == 0 and members["0000000000000005"].port == 32001
     store.close()
-    again = SqliteStore(directory)  # opened again: version 3 already, read as is
+    again = SqliteStore(directory)  # opened again: version 4 already, read as is
     assert [(j.job_id, j.generation) for j in again.load()] == [("failed", 0), ("forming", 0), ("grow", 2), ("rl", 1)]
     again.close()
 
@@ -195,7 +198,7 @@ def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(
     db.executescript((DATA / "state-v2.sql").read_text())  # dumped from this repository's schema-2 code
     db.close()
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
     assert machine.restore(store.load(), grace_s=10)[0] == 2
     assert dict(machine.world_of("pair").plan.ranks) == {"00000000000000a1": 0, "00000000000000a2": 1}
@@ -216,6 +219,28 @@ def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(
     assert again.keep_alive("waiting", joined.member_id, 1, secret="ab" * 16)[1] == 1
 
 
+def test_a_schema_3_database_is_migrated_and_its_members_are_single_workers(tmp_path):
+    directory = tmp_path / "v3"
+    directory.mkdir()
+    db = sqlite3.connect(directory / "commctx.sqlite3")
+    db.executescript((DATA / "state-v3.sql").read_text())  # written by this repository's schema-3 code
+    db.close()
+    store = SqliteStore(directory)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
+    assert {m.member_id: m.workers for j in store.load() for m in j.members} == {
+        "00000000000000b1": 1, "00000000000000b2": 1, "00000000000000b3": 1}
+    machine = Rendezvous(lease_ttl_s=10)
+    assert machine.restore(store.load(), grace_s=10)[0] == 2
+    assert dict(machine.world_of("pair").plan.ranks) == {"00000000000000b1": 0, "00000000000000b2": 1}
+    assert machine.keep_alive("pair", "00000000000000b2", 1, secret="ab" * 16)[1] == 1
+    # The waiting job forms when its second worker joins.
+    _, actions, _ = machine.join(JoinParams.build(job_id="waiting", spec=JobSpec.build(2), node_key="n7",
+                                                  address="10.0.1.7", port=29700))
+    assert machine.world_of("waiting") is not None
+    store.commit(actions.writes, store.take_over())
+    store.close()
+
+
 def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     garbage = tmp_path / "garbage"
     garbage.mkdir()
@@ -231,7 +256,7 @@ def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     db = sqlite3.connect(future / "commctx.sqlite3")
     db.execute("PRAGMA user_version = 9")
     db.close()
-    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 3"):
+    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 4"):
         SqliteStore(future)
 
 

@@ -125,6 +125,7 @@ def job_value(job: JobRecord) -> bytes:
     return json.dumps({
         "job_id": job.job_id, "spec": job.spec.to_json(), "state": job.state, "generation": job.generation,
         "reason": job.reason, "world": seating_record(job.world) if job.world is not None else None, "seal": job.seal,
+        "since": job.since, "retained_until": job.retained_until,
     }, separators=(",", ":")).encode()
 
 
@@ -146,7 +147,7 @@ def records_of(jobs: Sequence[bytes], members: Sequence[bytes]) -> list[JobRecor
         world = seating_from_record(j["world"]) if j["world"] is not None else None
         ms = tuple(sorted(by_job.get(j["job_id"], ()), key=lambda m: m.seq))
         out.append(JobRecord(j["job_id"], JobSpec.from_json(j["spec"]), j["state"], j["generation"], j["reason"],
-                             world, ms, j["seal"]))
+                             world, ms, j["seal"], j.get("since", 0.0), j.get("retained_until", 0.0)))
     return sorted(out, key=lambda j: j.job_id)
 
 

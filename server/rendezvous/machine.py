@@ -136,6 +136,7 @@ class Rendezvous:
         *,
         lease_ttl_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         new_member_id: Callable[[], str] | None = None,
         plan_inline_max: int = PLAN_INLINE_MAX,
         limits: Limits = Limits(),
@@ -145,6 +146,7 @@ class Rendezvous:
         self._members = 0  # across all jobs
         self.plan_inline_max = plan_inline_max
         self._clock = clock
+        self._wall = wall  # persisted times (AGE, how long a failed job is kept) survive a restart on it
         self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
         self._jobs: dict[str, Job] = {}
         self._held: str | None = None  # why no world may form now (the store refuses writes), or None
@@ -214,14 +216,15 @@ class Rendezvous:
         job.last_arrival = now
         actions.writes.append(PutMember(job.job_id, _member_record(member_id, member)))
         actions.notes.append(Note("join", {"job": job.job_id, "member": member_id, "node": member.node_key, "role": p.role,
-                                           "joined": len(job.members), "world_size": job.spec.world_size}))
+                                           "joined": job.workers, "world_size": job.spec.world_size}))
         if job.state is JobState.FORMED:
-            waiting = len(job.members) - job.placed
-            self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
+            waiting = job.workers - job.placed
+            if job.workers == len(job.members) or self._grows(job):
+                self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
         else:
             self._maybe_form(job, actions)
         self._arm_last_call(job)
-        return Joined(job.job_id, member_id, self.lease_ttl_s, len(job.members)), actions, None
+        return Joined(job.job_id, member_id, self.lease_ttl_s, job.workers), actions, None
 
     @staticmethod
     def _add_member(job: Job, member_id: str, p: JoinParams, seq: int) -> Member:
@@ -234,24 +237,27 @@ class Rendezvous:
             job.node_ranks[p.node_rank] = node.key
         if p.local_rank is not None:
             node.local_ranks[p.local_rank] = member_id
-        node.workers += 1
-        node.roles[p.role] = node.roles.get(p.role, 0) + 1
-        job.role_counts[p.role] = job.role_counts.get(p.role, 0) + 1
+        if p.workers > 1:
+            node.agent = member_id
+        node.workers += p.workers
+        node.roles[p.role] = node.roles.get(p.role, 0) + p.workers
+        job.role_counts[p.role] = job.role_counts.get(p.role, 0) + p.workers
+        job.workers += p.workers
         job.version += 1
         member = job.members[member_id] = Member(node, p, seq)
         return member
 
     def _reattach(self, job: Job, p: JoinParams) -> tuple[Joined, Actions, NewWorld | None]:
         member = job.members[p.member_id]
-        same = (member.node_key, member.address, member.local_rank, member.node_rank, member.role) == (
-            p.node_key, p.address, p.local_rank, p.node_rank, p.role)
+        same = (member.node_key, member.address, member.local_rank, member.node_rank, member.role, member.workers) == (
+            p.node_key, p.address, p.local_rank, p.node_rank, p.role, p.workers)
         if not same or job.spec != p.spec:
             raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with other parameters")
         if member.secret != p.secret:
             raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with another member_secret; "
                            f"re-attach with the same one, or join with a new member_id")
         actions = Actions()
-        joined = Joined(job.job_id, p.member_id, self.lease_ttl_s, len(job.members))
+        joined = Joined(job.job_id, p.member_id, self.lease_ttl_s, job.workers)
         if job.in_world(p.member_id):
             if job.state is JobState.FORMED:
                 return joined, actions, NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
@@ -279,15 +285,22 @@ class Rendezvous:
             raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
         if job.state is JobState.ENDED:
             raise Conflict(f"job {job.job_id!r} has ended ({job.reason}); use another job id or wait until its members have left")
-        if len(job.members) >= job.spec.world_size:
-            raise JobFull(
-                f"job {job.job_id!r} already has all {job.spec.world_size} workers "
-                f"(generation {job.generation}); node {p.node_key!r} cannot join it"
-            )
+        if job.workers + p.workers > job.spec.world_size:
+            if job.workers >= job.spec.world_size:
+                raise JobFull(
+                    f"job {job.job_id!r} already has all {job.spec.world_size} workers "
+                    f"(generation {job.generation}); node {p.node_key!r} cannot join it"
+                )
+            raise JobFull(f"job {job.job_id!r} has {job.workers} of {job.spec.world_size} workers; node {p.node_key!r} "
+                          f"cannot add {p.workers} more")
         job.spec.check_declared(job.job_id, p.role)
         declared = job.spec.role_count(p.role)
-        if declared is not None and job.role_counts.get(p.role, 0) >= declared:
-            raise JobFull(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
+        held = job.role_counts.get(p.role, 0)
+        if declared is not None and held + p.workers > declared:
+            if held >= declared:
+                raise JobFull(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
+            raise JobFull(f"job {job.job_id!r} has {held} of its {declared} workers of role {p.role!r}; "
+                          f"node {p.node_key!r} cannot add {p.workers} more")
         if p.loopback != job.loopback:
             first = next(iter(job.nodes.values()))
             raise Conflict(
@@ -298,6 +311,10 @@ class Rendezvous:
 
     @staticmethod
     def _check_node(job: Job, node: Node, p: JoinParams) -> None:
+        if node.agent or p.workers > 1:
+            raise AlreadyExists(f"node {node.key!r} of job {job.job_id!r} is already joined"
+                                f"{' as a whole node by its launcher' if node.agent else ''}; a node membership "
+                                f"(workers > 1) holds its node alone")
         if p.node_rank is not None:
             if node.node_rank is not None and node.node_rank != p.node_rank:
                 raise Conflict(
@@ -325,15 +342,17 @@ class Rendezvous:
 
     # -- forming ---------------------------------------------------------------
 
-    def _change(self, job: Job, reason: str, actions: Actions) -> None:
-        """FORMED -> FORMING: the world of this generation is to be replaced."""
+    def _change(self, job: Job, reason: str, actions: Actions, confirmed: str | None = None) -> None:
+        """FORMED -> FORMING: the world of this generation is to be replaced.
+        With `confirmed`, every other survivor is awaited until it renews."""
         now = self._clock()
         job.state = JobState.FORMING
         job.forming_since = now
         job.reason = reason
         job.announced = False
         stale_before = now + self.lease_ttl_s / 2
-        job.suspects = {mid for mid in job.survivors() if job.members[mid].lease_deadline < stale_before}
+        job.suspects = {mid for mid in job.survivors()
+                        if job.members[mid].lease_deadline < stale_before or (confirmed is not None and mid != confirmed)}
         actions.notes.append(Note("reforming", {"job": job.job_id, "generation": job.generation, "reason": reason}))
         self._maybe_form(job, actions)
         if job.state is JobState.FORMING:
@@ -358,37 +377,57 @@ class Rendezvous:
         spec = job.spec
         if job.state is not JobState.FORMING or job.suspects:
             return None
-        n = len(job.members)
+        n = job.workers
         if n >= spec.world_size:
-            return spec.world_size if spec.admissible(spec.world_size) else None
-        if spec.min_size is None or n < spec.min_size:
+            n = spec.world_size if spec.admissible(spec.world_size) else None
+        elif spec.min_size is None or n < spec.min_size:
             return None
         # The last call collects arrivals; survivors re-forming without
         # newcomers have nobody to wait for.
-        if n > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
+        elif n > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
             return None
-        return spec.largest_world(n)
+        else:
+            n = spec.largest_world(n)
+        if n is not None and job.workers != len(job.members):  # node memberships: whole ones only
+            n = len(self._candidates(job, n))
+            if n < spec.min_world or not spec.admissible(n):
+                return None  # they fit no admissible size: wait for others to come or go
+        return n
 
     def _maybe_form(self, job: Job, actions: Actions) -> None:
         n = self._formable(job)
         if n is not None:
             self._form(job, n, actions)
 
-    def _form(self, job: Job, n: int, actions: Actions) -> None:
+    def _grows(self, job: Job) -> bool:
+        """Whether the node memberships present fit a world larger than the formed one."""
+        size = job.spec.largest_world(min(job.workers, job.spec.world_size))
+        return size is not None and len(self._candidates(job, size)) > job.placed
+
+    @staticmethod
+    def _candidates(job: Job, n: int) -> list:
+        """The next world's workers: survivors first, in their previous rank
+        order (the seating's order), then newcomers in join order; whole
+        members, so at most `n`."""
         previous = job.plan
         members = job.members
-        if previous is None:
-            candidates = [m.candidate(mid) for mid, m in list(members.items())[:n]]  # join order
-        else:
-            # Survivors first, in their previous rank order (the seating's
-            # order), then newcomers in join order.
-            seats: dict[str, tuple[int, int]] = {}
+        seats: dict[str, tuple[int, int]] = {}
+        if previous is not None:
             for node_rank, node in enumerate(previous.seating.nodes):
                 for local_rank, mid in enumerate(node.members):
                     if mid in members:
                         seats[mid] = (node_rank, local_rank)
-            order = [*seats, *(mid for mid in members if mid not in seats)][:n]
-            candidates = [members[mid].candidate(mid, seats.get(mid)) for mid in order]
+        candidates = []
+        for mid in [*seats, *(mid for mid in members if mid not in seats)] if seats else members:
+            m = members[mid]
+            if len(candidates) + m.workers <= n:
+                candidates += m.candidates(mid, seats.get(mid))
+                if len(candidates) == n:
+                    break
+        return candidates
+
+    def _form(self, job: Job, n: int, actions: Actions) -> None:
+        candidates = self._candidates(job, n)
         spec = job.spec.at_size(n)
         if n > self.plan_inline_max:
             if job.planning != job.version:  # else the plan for exactly these candidates is on its way
@@ -450,8 +489,8 @@ class Rendezvous:
         members = job.members
         first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
         for mid in plan.ranks:
-            m = members[mid]
-            if m.lease_deadline == math.inf:  # newly placed: its lease starts now
+            m = members.get(mid)  # None: a node membership's further workers (worker_id)
+            if m is not None and m.lease_deadline == math.inf:  # newly placed: its lease starts now
                 m.lease_deadline = first_lease
                 self._leases.push(m.lease_deadline, (job.job_id, mid))
         rank0 = plan.seating.nodes[0].members[0]
@@ -544,6 +583,25 @@ class Rendezvous:
             self._maybe_form(job, actions)
         return job.generation, actions
 
+    def restart(self, job_id: str, member_id: str, generation: int) -> Actions:
+        """A member's launcher restarts its workers after a failure: the world of
+        `generation` re-forms (generation + 1) with the members that renew their
+        lease now, so that every node restarts into a fresh world and a dead one
+        is left out once its lease runs out. Ignored unless `generation` is the
+        job's current, formed one: members asking at once cause one re-form.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        member = self._member(job, member_id)
+        actions = Actions()
+        if job.state is JobState.FORMED and generation == job.generation and job.in_world(member_id):
+            # A worker failing is often a peer's node dying: seat only survivors
+            # that renew after this (sessions renew at once on the WorldChange).
+            self._change(job, f"node {member.node_key!r} restarts its workers", actions, confirmed=member_id)
+        return actions
+
     def keep_alive(self, job_id: str, member_id: str, generation: int, secret: str | None = None) -> tuple[float, int, Actions]:
         """Renews a member's lease (the unary form), given its secret (None: not checked).
 
@@ -624,6 +682,7 @@ class Rendezvous:
             kept = self._failed.get(entry[1])
             if kept is not None and kept[1] <= now:
                 del self._failed[entry[1]]
+                actions.writes.append(DeleteJob(entry[1]))
         return actions, self.next_deadline() <= now
 
     def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
@@ -631,12 +690,15 @@ class Rendezvous:
         self._members -= 1
         job.version += 1
         in_world = job.in_world(member_id)
-        job.placed -= in_world
+        job.placed -= in_world * member.workers
+        job.workers -= member.workers
         job.suspects.discard(member_id)
         node = job.nodes[member.node_key]
-        node.workers -= 1
-        node.roles[member.role] -= 1
-        job.role_counts[member.role] -= 1
+        node.workers -= member.workers
+        node.roles[member.role] -= member.workers
+        job.role_counts[member.role] -= member.workers
+        if node.agent == member_id:
+            node.agent = ""
         if member.local_rank is not None:
             node.local_ranks.pop(member.local_rank, None)
         if node.workers == 0:
@@ -650,25 +712,34 @@ class Rendezvous:
         if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
             actions.wakes.append((job.job_id, MemberGone(member_id)))
         if not job.members:
-            if job.state is JobState.FAILED:
-                until = self._clock() + self.limits.retain_ended_s
-                self._failed[job.job_id] = (self._view(job), until)
-                while len(self._failed) > self.limits.retain_ended_jobs:  # the oldest go first
-                    del self._failed[next(iter(self._failed))]
-                self._tombstones.push(until, job.job_id)
             del self._jobs[job.job_id]
-            actions.writes.append(DeleteJob(job.job_id))
+            if job.state is JobState.FAILED:  # kept a while (also across a restart) so DescribeJob can say why
+                self._retain(job, self.limits.retain_ended_s, actions)
+                actions.writes.append(PutJob(self._record(job, self._wall() + self.limits.retain_ended_s)))
+            else:
+                actions.writes.append(DeleteJob(job.job_id))
         elif in_world and job.generation > 0 and job.state in (JobState.FORMED, JobState.FORMING):
             self._lost(job, member_id, member, why, actions)
         elif job.state is JobState.FORMING:
             self._maybe_form(job, actions)  # a waiting worker's leaving may be all that held the world back
 
+    def _retain(self, job: Job, for_s: float, actions: Actions) -> None:
+        """Keeps a failed job without workers for `for_s` seconds (at most
+        retain_ended_jobs of them: the oldest go first, from the store too)."""
+        until = self._clock() + for_s
+        self._failed[job.job_id] = (self._view(job), until)
+        while len(self._failed) > self.limits.retain_ended_jobs:
+            oldest = next(iter(self._failed))
+            del self._failed[oldest]
+            actions.writes.append(DeleteJob(oldest))
+        self._tombstones.push(until, job.job_id)
+
     def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions) -> None:
         """A member of a formed (or re-forming) world is gone."""
         rank = job.plan.ranks.get(member_id)
         what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {why}"
-        if len(job.members) < job.spec.min_world:
-            reason = f"{what}; {len(job.members)} workers remain, fewer than the minimum of {job.spec.min_world}"
+        if job.workers < job.spec.min_world:
+            reason = f"{what}; {job.workers} workers remain, fewer than the minimum of {job.spec.min_world}"
             self._stop(job, JobState.ENDED if why == "left" else JobState.FAILED, reason, "cannot continue", actions)
         elif job.state is JobState.FORMED:
             self._change(job, what, actions)
@@ -688,27 +759,32 @@ class Rendezvous:
         Returns:
             How many jobs were restored, and actions (jobs found empty are deleted).
         """
-        now = self._clock()
+        now, wall = self._clock(), self._wall()
         actions = Actions()
         for record in records:
             spec = record.spec
             job = Job(record.job_id, spec, False, now)
             job.state, job.generation, job.reason = JobState(record.state), record.generation, record.reason
             job.seal = record.seal
+            if record.since:  # AGE goes on from when it began, not from the restart
+                job.forming_since = now - max(0.0, wall - record.since)
             if record.world is not None:
                 job.plan = build_plan(record.world, spec.at_size(record.world.world_size))
             for mr in record.members:
                 p = JoinParams(job.job_id, spec, mr.node_key, mr.address, mr.port, mr.local_rank, mr.node_rank, False, mr.role,
-                               mr.member_id, mr.secret)
+                               mr.member_id, mr.secret, "", mr.workers)
                 m = self._add_member(job, mr.member_id, p, mr.seq)
                 self._members += 1
                 placed = job.in_world(mr.member_id)
-                job.placed += placed
+                job.placed += placed * m.workers
                 m.lease_deadline = now + (self.lease_ttl_s if placed else 0) + grace_s
                 self._leases.push(m.lease_deadline, (job.job_id, mr.member_id))
                 self._seq = max(self._seq, mr.seq)
             if not job.members:
-                actions.writes.append(DeleteJob(job.job_id))
+                if job.state is JobState.FAILED and record.retained_until > wall:
+                    self._retain(job, record.retained_until - wall, actions)
+                else:
+                    actions.writes.append(DeleteJob(job.job_id))
                 continue
             if job.state is JobState.FORMING and job.generation > 0:
                 job.suspects, job.announced = set(job.survivors()), True
@@ -783,14 +859,14 @@ class Rendezvous:
             state=job.state,
             generation=job.generation,
             spec=job.spec,
-            joined=len(job.members),
-            missing=max(job.spec.min_world - len(job.members), 0) if job.state is JobState.FORMING else 0,
+            joined=job.workers,
+            missing=max(job.spec.min_world - job.workers, 0) if job.state is JobState.FORMING else 0,
             nodes=tuple(nodes),
             reason=reason,
             forming_for_s=self._clock() - job.forming_since,
             num_nodes=len(job.nodes),
             missing_nodes=tuple(k for k in job.spec.expected_nodes if k not in job.nodes),
-            waiting=len(job.members) - job.placed if formed else 0,
+            waiting=job.workers - job.placed if formed else 0,
             not_ready=len(job.suspects),
             seal=job.seal,
         )
@@ -801,13 +877,13 @@ class Rendezvous:
 
     def stats(self) -> Stats:
         """Counts for metrics (linear in the number of jobs, not members)."""
-        members = placed = 0
+        members = waiting = 0
         for job in self._jobs.values():
             members += len(job.members)
-            placed += job.placed
+            waiting += job.workers - job.placed
         oldest = self._oldest_lease()
         age = 0.0 if oldest == math.inf else max(0.0, self._clock() - (oldest - self.lease_ttl_s))
-        return Stats(len(self._jobs), members, members - placed, age)
+        return Stats(len(self._jobs), members, waiting, age)
 
     def _oldest_lease(self) -> float:
         """The earliest lease deadline, bringing stale heap entries up to date on the way."""
@@ -842,11 +918,11 @@ class Rendezvous:
             )
         return member
 
-    @staticmethod
-    def _record(job: Job) -> JobRecord:
+    def _record(self, job: Job, retained_until: float = 0.0) -> JobRecord:
+        since = self._wall() - (self._clock() - job.forming_since)
         return JobRecord(job.job_id, job.spec, job.state.value, job.generation, job.reason,
-                         job.plan.seating if job.plan is not None else None, (), job.seal)
+                         job.plan.seating if job.plan is not None else None, (), job.seal, since, retained_until)
 
 
 def _member_record(member_id: str, m: Member) -> MemberRecord:
-    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role, m.secret)
+    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role, m.secret, m.workers)

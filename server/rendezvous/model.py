@@ -107,11 +107,12 @@ class JoinParams(NamedTuple):
     member_id: str = ""  # client-chosen, to re-attach; empty: the server picks
     secret: str = ""  # digest of the member secret ("": none, as for members of schema 2)
     seal: str = ""  # digest of the job secret ("": an open job)
+    workers: int = 1  # >1: a node membership (a launcher's agent) holding local ranks 0..workers-1 of its node
 
     @classmethod
     def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
               node_rank: int | None = None, role: str = "", member_id: str = "", member_secret: str = "",
-              job_secret: str = "") -> JoinParams:
+              job_secret: str = "", workers: int = 1) -> JoinParams:
         """Validates a join request.
 
         Raises:
@@ -135,11 +136,16 @@ class JoinParams(NamedTuple):
             raise InvalidArgument(f"local_rank {local_rank} is not below world_size {spec.world_size}")
         if node_rank is not None and node_rank >= spec.world_size:
             raise InvalidArgument(f"node_rank {node_rank} is not below world_size {spec.world_size}")
+        if not 1 <= workers <= spec.world_size:
+            raise InvalidArgument(f"workers {workers} is out of range 1..world_size ({spec.world_size})")
+        if workers > 1 and local_rank is not None:
+            raise InvalidArgument(f"local_rank {local_rank} cannot be given with workers {workers}: "
+                                  f"a node membership holds local ranks 0..{workers - 1}")
         if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
             raise InvalidArgument(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
         secret = secret_digest(member_secret) if member_secret else ""
         seal = job_secret_digest(job_secret) if job_secret else ""
-        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal)
+        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal, workers)
 
 
 class JobState(enum.Enum):
@@ -247,7 +253,8 @@ class Note(NamedTuple):
 class Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
-    __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease_deadline", "session", "secret")
+    __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease_deadline", "session", "secret",
+                 "workers")
 
     def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
         self.node_key = node.key
@@ -260,17 +267,27 @@ class Member:
         self.lease_deadline = math.inf  # bound to its Join call until placed
         self.session: Any = None  # the open session's sink (the executor puts events in it)
         self.secret = p.secret  # digest of its secret ("": none)
+        self.workers = p.workers  # >1: a node membership, seated as local ranks 0..workers-1 (worker_id)
 
-    def candidate(self, member_id: str, seat: tuple[int, int] | None = None) -> Candidate:
-        """This member as the planner sees it; `seat` is its (node rank, local rank) in the world being replaced."""
-        return Candidate(
-            member_id, self.node_key, self.address, self.port, self.local_rank, self.node_rank, self.role,
-            *(seat or (None, None)),
-        )
+    def candidates(self, member_id: str, seat: tuple[int, int] | None = None) -> list[Candidate]:
+        """This member's workers as the planner sees them; `seat` is its (node
+        rank, local rank) in the world being replaced."""
+        if self.workers == 1:
+            return [Candidate(member_id, self.node_key, self.address, self.port, self.local_rank, self.node_rank, self.role,
+                              *(seat or (None, None)))]
+        return [Candidate(worker_id(member_id, i), self.node_key, self.address, self.port, i, self.node_rank, self.role,
+                          seat[0] if seat else None) for i in range(self.workers)]
+
+
+def worker_id(member_id: str, local_rank: int) -> str:
+    """The id under which worker `local_rank` of a node membership is seated:
+    the member id itself for local rank 0 (so the membership's placement is its
+    first worker's), "<member id>/<local rank>" for the others (never a member id)."""
+    return member_id if local_rank == 0 else f"{member_id}/{local_rank}"
 
 
 class Node:
-    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers", "roles")
+    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers", "roles", "agent")
 
     def __init__(self, key: str, address: str) -> None:
         self.key = key
@@ -279,13 +296,14 @@ class Node:
         self.local_ranks: dict[int, str] = {}  # explicit local rank -> member id
         self.workers = 0
         self.roles: dict[str, int] = {}  # workers per role
+        self.agent = ""  # the node membership that holds the whole node, if any
 
 
 class Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
-        "last_call_armed", "version", "planning", "seal", "node_order",
+        "last_call_armed", "version", "planning", "seal", "node_order", "workers",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -294,6 +312,7 @@ class Job:
         self.state = JobState.FORMING
         self.generation = 0
         self.members: dict[str, Member] = {}  # insertion order = join order
+        self.workers = 0  # workers of all members (a node membership counts its workers)
         self.nodes: dict[str, Node] = {}
         self.node_ranks: dict[int, str] = {}  # explicit node rank -> node key
         self.plan: WorldPlan | None = None  # the current world's (while re-forming: the one being replaced)
@@ -303,7 +322,7 @@ class Job:
         self.last_arrival = now
         self.loopback = loopback
         self.role_counts: dict[str, int] = {}
-        self.placed = 0  # members that are in `plan`
+        self.placed = 0  # workers that are in `plan`
         self.suspects: set[str] = set()  # re-forming: survivors not heard from lately, awaited before forming
         self.announced = False  # re-forming: survivors were told the world cannot form at once
         self.last_call_armed = False
@@ -324,8 +343,8 @@ class Job:
         nodes = ", ".join(f"{n.key}×{n.workers}" for n in list(self.nodes.values())[:16])
         if len(self.nodes) > 16:
             nodes += f", ... ({len(self.nodes)} nodes)"
-        missing = self.spec.min_world - len(self.members)
-        what = f"{len(self.members)} of {self.spec.world_size} workers joined (nodes present: {nodes or 'none'})"
+        missing = self.spec.min_world - self.workers
+        what = f"{self.workers} of {self.spec.world_size} workers joined (nodes present: {nodes or 'none'})"
         if self.spec.min_size is not None:
             return what + (f"; {missing} missing for the minimum of {self.spec.min_size}" if missing > 0 else "; waiting for the last call")
         return f"{what}; {missing} missing"

@@ -44,7 +44,7 @@ from .store import (
     spec_json,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 FILE_NAME = "commctx.sqlite3"
 
 _SCHEMA = """
@@ -52,19 +52,21 @@ _SCHEMA = """
     INSERT INTO writer VALUES (1, 0);
     CREATE TABLE jobs (
         job_id TEXT PRIMARY KEY, state TEXT NOT NULL, generation INTEGER NOT NULL,
-        reason TEXT NOT NULL, spec TEXT NOT NULL, world TEXT, secret TEXT NOT NULL DEFAULT '');
+        reason TEXT NOT NULL, spec TEXT NOT NULL, world TEXT, secret TEXT NOT NULL DEFAULT '',
+        since REAL NOT NULL DEFAULT 0, retained_until REAL NOT NULL DEFAULT 0);
     CREATE TABLE members (
         job_id TEXT NOT NULL, member_id TEXT NOT NULL, seq INTEGER NOT NULL,
         node_key TEXT NOT NULL, address TEXT NOT NULL, port INTEGER NOT NULL,
         local_rank INTEGER, node_rank INTEGER, role TEXT NOT NULL,
-        secret TEXT NOT NULL DEFAULT '',
+        secret TEXT NOT NULL DEFAULT '', workers INTEGER NOT NULL DEFAULT 1,
         PRIMARY KEY (job_id, member_id));
 """
 
-_PUT_JOB = "INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world, secret) VALUES (?, ?, ?, ?, ?, ?, ?)"
+_PUT_JOB = ("INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world, secret, since, retained_until) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _PUT_MEMBER = (
-    "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret, workers) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _DELETE_MEMBER = "DELETE FROM members WHERE job_id = ? AND member_id = ?"
 
@@ -103,8 +105,10 @@ class SqliteStore(Store):
             raise StoreError(f"{self.path} has schema version {version}; this server reads up to {SCHEMA_VERSION}")
         db.execute("BEGIN IMMEDIATE")
         try:
-            if version == 2:
-                _migrate_v2(db)
+            if version in (2, 3):
+                if version == 2:
+                    _migrate_v2(db)
+                _migrate_v3(db)
             elif "jobs" in tables:
                 _migrate_v1(db)
             else:
@@ -151,15 +155,17 @@ class SqliteStore(Store):
             db = self._connection()
             members: dict[str, list[MemberRecord]] = {}
             rows = db.execute(
-                "SELECT job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret FROM members ORDER BY seq")
+                "SELECT job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret, workers "
+                "FROM members ORDER BY seq")
             for job_id, *fields in rows:
                 members.setdefault(job_id, []).append(MemberRecord(*fields))
             jobs = []
-            for job_id, state, generation, reason, spec, world, seal in db.execute(
-                    "SELECT job_id, state, generation, reason, spec, world, secret FROM jobs ORDER BY job_id"):
+            for job_id, state, generation, reason, spec, world, seal, since, until in db.execute(
+                    "SELECT job_id, state, generation, reason, spec, world, secret, since, retained_until FROM jobs ORDER BY job_id"):
                 jobs.append(JobRecord(
                     job_id, spec_from_json(spec), state, generation, reason,
                     seating_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())), seal,
+                    since, until,
                 ))
             return jobs
 
@@ -197,7 +203,7 @@ def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
 
 def _job_row(job: JobRecord) -> tuple:
     world = json.dumps(seating_record(job.world), separators=(",", ":")) if job.world is not None else None
-    return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world, job.seal)
+    return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world, job.seal, job.since, job.retained_until)
 
 
 def _migrate_v2(db: sqlite3.Connection) -> None:
@@ -206,6 +212,16 @@ def _migrate_v2(db: sqlite3.Connection) -> None:
     have none ('': members renew without one, jobs are open)."""
     db.execute("ALTER TABLE members ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
     db.execute("ALTER TABLE jobs ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
+
+
+def _migrate_v3(db: sqlite3.Connection) -> None:
+    """Schema 3 -> 4, inside the caller's transaction: members gain their
+    number of workers (a launcher's node membership holds several); jobs when
+    they began forming (0: unknown) and, failed ones kept after their workers
+    left, until when."""
+    db.execute("ALTER TABLE members ADD COLUMN workers INTEGER NOT NULL DEFAULT 1")
+    db.execute("ALTER TABLE jobs ADD COLUMN since REAL NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE jobs ADD COLUMN retained_until REAL NOT NULL DEFAULT 0")
 
 
 def _migrate_v1(db: sqlite3.Connection) -> None:
@@ -243,6 +259,6 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
         jobs.append(_job_row(JobRecord(job_id, spec, state, generation, reason, world)))
     db.executemany(_PUT_JOB, jobs)
     db.executemany(_PUT_MEMBER, [
-        (job_id, member_id, seq, node_key, address, 0 if (job_id, member_id) in consumed else port, local_rank, node_rank, role, "")
+        (job_id, member_id, seq, node_key, address, 0 if (job_id, member_id) in consumed else port, local_rank, node_rank, role, "", 1)
         for job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role in old_members
     ])

@@ -47,6 +47,7 @@ class MemberRecord(NamedTuple):  # a NamedTuple: one is built per join
     node_rank: int | None
     role: str
     secret: str = ""  # SHA-256 digest (hex) of the member secret; "": none (schema 2)
+    workers: int = 1  # >1: a node membership (schema 4)
 
 
 class JobRecord(NamedTuple):
@@ -58,6 +59,8 @@ class JobRecord(NamedTuple):
     world: Seating | None  # the current world (while re-forming: the one being replaced)
     members: tuple[MemberRecord, ...] = ()  # filled by load(), in join order
     seal: str = ""  # SHA-256 digest (hex) of the job secret; "": an open job
+    since: float = 0.0  # wall-clock time its current generation began forming (AGE); 0: unknown (schema 3)
+    retained_until: float = 0.0  # a failed job whose workers all left: wall-clock time DescribeJob forgets it
 
 
 class PutJob(NamedTuple):

@@ -36,7 +36,7 @@ from ..errors import (
     WaitTimeout,
 )
 from ..planning import JobSpec, PlannedGroup, elide
-from ..rendezvous.model import Assignment, Gone, JobState, JobView, JoinParams, Limits, NewWorld, SessionEvent, WorldChange
+from ..rendezvous.model import Assignment, Gone, JobState, JobView, JoinParams, Limits, NewWorld, SessionEvent, WorldChange, worker_id
 
 log = logging.getLogger("commctx.server")
 
@@ -133,6 +133,7 @@ def join_params(r: pb.JoinRequest, member_secret: str, limits: Limits = Limits()
         local_rank=r.local_rank if r.HasField("local_rank") else None,
         node_rank=r.node_rank if r.HasField("node_rank") else None,
         role=r.role, member_id=r.member_id, member_secret=member_secret, job_secret=r.job_secret,
+        workers=r.workers or 1,
     )
 
 
@@ -169,9 +170,15 @@ def fill_assignment(m: pb.Assignment, a: Assignment) -> None:
         m.reason = a.reason
 
 
-def join_response(member_id: str, member_secret: str, lease_ttl_s: float, a: Assignment) -> pb.JoinResponse:
+def join_response(member_id: str, member_secret: str, lease_ttl_s: float, world: NewWorld, workers: int = 0) -> pb.JoinResponse:
+    """The answer to a Join seated in `world`; a node membership (`workers` given, the
+    request's JoinRequest.workers) gets each of its workers' assignments."""
     response = pb.JoinResponse(member_id=member_id, member_secret=member_secret, lease_ttl_ms=round(lease_ttl_s * 1000))
-    fill_assignment(response.assignment, a)
+    fill_assignment(response.assignment, world.assignment_for(member_id))
+    if workers:
+        response.worker_assignments.append(response.assignment)
+        for i in range(1, workers):
+            fill_assignment(response.worker_assignments.add(), world.assignment_for(worker_id(member_id, i)))
     return response
 
 

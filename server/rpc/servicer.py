@@ -83,7 +83,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             else:  # a re-attached member of a formed world: answer once that world is durable
                 await self._executor.settled()
                 world = placed
-            response = codec.join_response(member_id, secret, joined.lease_ttl_s, world.assignment_for(member_id))
+            response = codec.join_response(member_id, secret, joined.lease_ttl_s, world, request.workers)
         except asyncio.CancelledError:  # the caller went away: withdrawn, nobody to answer
             self._executor.submit(self._stop_waiting(job_id, member_id, waiter))
             raise
@@ -192,11 +192,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 return
             try:
                 _, actions = self._machine.renew(job_id, member_id, request.generation, request.spare_port)
+                if actions:
+                    self._executor.submit(actions)
+                if request.restart_generation:
+                    actions = self._machine.restart(job_id, member_id, request.restart_generation)
+                    if actions:
+                        self._executor.submit(actions)
             except NotFound as exc:
                 sink.put_nowait(Gone(str(exc)))
                 return
-            if actions:
-                self._executor.submit(actions)
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         def renew() -> pb.KeepAliveResponse:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ommctx/v1/rendezvous.proto\x12\ncommctx.v1\"\xe7\x01\n\x07JobSpec\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.commctx.v1.ParallelLayout\x12$\n\x05roles\x18\x03 \x03(\x0b\x32\x15.commctx.v1.RoleCount\x12%\n\x06groups\x18\x04 \x03(\x0b\x32\x15.commctx.v1.GroupRule\x12\x11\n\tcpu_twins\x18\x05 \x03(\t\x12\x16\n\x0e\x65xpected_nodes\x18\x06 \x03(\t\x12$\n\x07\x65lastic\x18\x07 \x01(\x0b\x32\x13.commctx.v1.Elastic\"G\n\x07\x45lastic\x12\x10\n\x08min_size\x18\x01 \x01(\r\x12\x19\n\x0clast_call_ms\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_last_call_ms\"p\n\x0eParallelLayout\x12\n\n\x02tp\x18\x01 \x01(\r\x12\n\n\x02\x63p\x18\x02 \x01(\r\x12\n\n\x02\x65p\x18\x03 \x01(\r\x12\n\n\x02\x64p\x18\x04 \x01(\r\x12\n\n\x02pp\x18\x05 \x01(\r\x12\r\n\x05order\x18\x06 \x01(\t\x12\x13\n\x0bwithin_node\x18\x07 \x03(\t\"(\n\tRoleCount\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xaf\x01\n\tGroupRule\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12+\n\nrole_group\x18\x02 \x01(\x0b\x32\x15.commctx.v1.RoleGroupH\x00\x12\x35\n\x0fweight_transfer\x18\x03 \x01(\x0b\x32\x1a.commctx.v1.WeightTransferH\x00\x12(\n\x05named\x18\x04 \x01(\x0b\x32\x17.commctx.v1.NamedGroupsH\x00\x42\x06\n\x04kind\"<\n\tRoleGroup\x12\r\n\x05roles\x18\x01 \x03(\t\x12 \n\x05scope\x18\x02 \x01(\x0e\x32\x11.commctx.v1.Scope\"_\n\x0eWeightTransfer\x12\x13\n\x0bsender_role\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_roles\x18\x02 \x03(\t\x12 \n\x05scope\x18\x03 \x01(\x0e\x32\x11.commctx.v1.Scope\"3\n\x0bNamedGroups\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.commctx.v1.RankList\"\x19\n\x08RankList\x12\r\n\x05ranks\x18\x01 \x03(\r\"\xab\x02\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x10\n\x08node_key\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x17\n\nlocal_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnode_rank\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fwait_timeout_ms\x18\x08 \x01(\r\x12\x0c\n\x04role\x18\t \x01(\t\x12\x11\n\tmember_id\x18\n \x01(\t\x12\x15\n\rmember_secret\x18\x0b \x01(\t\x12\x12\n\njob_secret\x18\x0c \x01(\tB\r\n\x0b_local_rankB\x0c\n\n_node_rank\"z\n\x0cJoinResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12*\n\nassignment\x18\x03 \x01(\x0b\x32\x16.commctx.v1.Assignment\x12\x15\n\rmember_secret\x18\x04 \x01(\t\"\xe9\x02\n\nAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tnode_rank\x18\x05 \x01(\r\x12\x11\n\tnum_nodes\x18\x06 \x01(\r\x12\x12\n\nlocal_rank\x18\x07 \x01(\r\x12\x18\n\x10local_world_size\x18\x08 \x01(\r\x12\x13\n\x0bmaster_addr\x18\t \x01(\t\x12\x13\n\x0bmaster_port\x18\n \x01(\r\x12\x10\n\x08\x64ist_url\x18\x0b \x01(\t\x12!\n\x06groups\x18\x0c \x03(\x0b\x32\x11.commctx.v1.Group\x12\x0c\n\x04role\x18\r \x01(\t\x12\x16\n\x0e\x63hanged_groups\x18\x0e \x03(\t\x12\x1a\n\rprevious_rank\x18\x0f \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x10 \x01(\tB\x10\n\x0e_previous_rank\"v\n\x05Group\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\"\n\x05ranks\x18\x03 \x01(\x0b\x32\x13.commctx.v1.RankSet\x12\x10\n\x08\x63pu_twin\x18\x04 \x01(\x08\x12\x11\n\x04root\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_root\",\n\x07RankSet\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.commctx.v1.RankRun\"7\n\x07RankRun\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06stride\x18\x03 \x01(\r\"r\n\x0eSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nspare_port\x18\x04 \x01(\r\x12\x15\n\rmember_secret\x18\x05 \x01(\t\"\x9f\x01\n\x0cSessionEvent\x12\x16\n\x0clease_ttl_ms\x18\x01 \x01(\rH\x00\x12\x30\n\rworld_changed\x18\x02 \x01(\x0b\x32\x17.commctx.v1.WorldChangeH\x00\x12,\n\nassignment\x18\x03 \x01(\x0b\x32\x16.commctx.v1.AssignmentH\x00\x12\x0e\n\x04gone\x18\x04 \x01(\tH\x00\x42\x07\n\x05\x65vent\"1\n\x0bWorldChange\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"`\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x15\n\rmember_secret\x18\x04 \x01(\t\"=\n\x11KeepAliveResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"H\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x15\n\rmember_secret\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"i\n\x12\x44\x65scribeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\njob_secret\x18\x02 \x01(\t\x12\x16\n\x0enode_page_size\x18\x03 \x01(\r\x12\x17\n\x0fnode_page_token\x18\x04 \x01(\t\"\xb8\x03\n\x0eJobDescription\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .commctx.v1.JobDescription.State\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12!\n\x04spec\x18\x04 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x0e\n\x06joined\x18\x05 \x01(\r\x12\x0f\n\x07missing\x18\x06 \x01(\r\x12*\n\x05nodes\x18\x07 \x03(\x0b\x32\x1b.commctx.v1.NodeDescription\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x15\n\rforming_for_s\x18\t \x01(\x01\x12\x15\n\rmissing_nodes\x18\n \x03(\t\x12\x0f\n\x07waiting\x18\x0b \x01(\r\x12\x11\n\tnot_ready\x18\x0c \x01(\r\x12\x11\n\tnum_nodes\x18\r \x01(\r\x12\x1c\n\x14next_node_page_token\x18\x0e \x01(\t\"N\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORMING\x10\x01\x12\n\n\x06\x46ORMED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\t\n\x05\x45NDED\x10\x04\"8\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x10ListJobsResponse\x12(\n\x04jobs\x18\x01 \x03(\x0b\x32\x1a.commctx.v1.JobDescription\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"~\n\x0fNodeDescription\x12\x10\n\x08node_key\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x11\n\tnode_rank\x18\x04 \x01(\r\x12$\n\x05roles\x18\x05 \x03(\x0b\x32\x15.commctx.v1.RoleCount*\x99\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x10\n\x0cJOB_CONFLICT\x10\x02\x12\x14\n\x10STALE_GENERATION\x10\x03\x12\x0e\n\nRANK_TAKEN\x10\x04\x12\x0c\n\x08JOB_FULL\x10\x05\x12\x14\n\x10MEMBER_NOT_FOUND\x10\x06\x12\x16\n\x12RENDEZVOUS_TIMEOUT\x10\x07\x12\x16\n\x12SERVER_UNAVAILABLE\x10\x08\x12\x1a\n\x16UNAUTHENTICATED_CALLER\x10\t\x12\x0e\n\nJOB_SEALED\x10\n\x12\x0f\n\x0bSERVER_FULL\x10\x0b\x12\x0e\n\nNOT_LEADER\x10\x0c*&\n\x05Scope\x12\r\n\tSCOPE_JOB\x10\x00\x12\x0e\n\nSCOPE_NODE\x10\x01\x32\xa6\x03\n\nRendezvous\x12\x39\n\x04Join\x12\x17.commctx.v1.JoinRequest\x1a\x18.commctx.v1.JoinResponse\x12\x43\n\x07Session\x12\x1a.commctx.v1.SessionRequest\x1a\x18.commctx.v1.SessionEvent(\x01\x30\x01\x12H\n\tKeepAlive\x12\x1c.commctx.v1.KeepAliveRequest\x1a\x1d.commctx.v1.KeepAliveResponse\x12<\n\x05Leave\x12\x18.commctx.v1.LeaveRequest\x1a\x19.commctx.v1.LeaveResponse\x12I\n\x0b\x44\x65scribeJob\x12\x1e.commctx.v1.DescribeJobRequest\x1a\x1a.commctx.v1.JobDescription\x12\x45\n\x08ListJobs\x12\x1b.commctx.v1.ListJobsRequest\x1a\x1c.commctx.v1.ListJobsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ommctx/v1/rendezvous.proto\x12\ncommctx.v1\"\xe7\x01\n\x07JobSpec\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.commctx.v1.ParallelLayout\x12$\n\x05roles\x18\x03 \x03(\x0b\x32\x15.commctx.v1.RoleCount\x12%\n\x06groups\x18\x04 \x03(\x0b\x32\x15.commctx.v1.GroupRule\x12\x11\n\tcpu_twins\x18\x05 \x03(\t\x12\x16\n\x0e\x65xpected_nodes\x18\x06 \x03(\t\x12$\n\x07\x65lastic\x18\x07 \x01(\x0b\x32\x13.commctx.v1.Elastic\"G\n\x07\x45lastic\x12\x10\n\x08min_size\x18\x01 \x01(\r\x12\x19\n\x0clast_call_ms\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_last_call_ms\"p\n\x0eParallelLayout\x12\n\n\x02tp\x18\x01 \x01(\r\x12\n\n\x02\x63p\x18\x02 \x01(\r\x12\n\n\x02\x65p\x18\x03 \x01(\r\x12\n\n\x02\x64p\x18\x04 \x01(\r\x12\n\n\x02pp\x18\x05 \x01(\r\x12\r\n\x05order\x18\x06 \x01(\t\x12\x13\n\x0bwithin_node\x18\x07 \x03(\t\"(\n\tRoleCount\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xaf\x01\n\tGroupRule\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12+\n\nrole_group\x18\x02 \x01(\x0b\x32\x15.commctx.v1.RoleGroupH\x00\x12\x35\n\x0fweight_transfer\x18\x03 \x01(\x0b\x32\x1a.commctx.v1.WeightTransferH\x00\x12(\n\x05named\x18\x04 \x01(\x0b\x32\x17.commctx.v1.NamedGroupsH\x00\x42\x06\n\x04kind\"<\n\tRoleGroup\x12\r\n\x05roles\x18\x01 \x03(\t\x12 \n\x05scope\x18\x02 \x01(\x0e\x32\x11.commctx.v1.Scope\"_\n\x0eWeightTransfer\x12\x13\n\x0bsender_role\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_roles\x18\x02 \x03(\t\x12 \n\x05scope\x18\x03 \x01(\x0e\x32\x11.commctx.v1.Scope\"3\n\x0bNamedGroups\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.commctx.v1.RankList\"\x19\n\x08RankList\x12\r\n\x05ranks\x18\x01 \x03(\r\"\xbc\x02\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x10\n\x08node_key\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x17\n\nlocal_rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnode_rank\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fwait_timeout_ms\x18\x08 \x01(\r\x12\x0c\n\x04role\x18\t \x01(\t\x12\x11\n\tmember_id\x18\n \x01(\t\x12\x15\n\rmember_secret\x18\x0b \x01(\t\x12\x12\n\njob_secret\x18\x0c \x01(\t\x12\x0f\n\x07workers\x18\r \x01(\rB\r\n\x0b_local_rankB\x0c\n\n_node_rank\"\xae\x01\n\x0cJoinResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12*\n\nassignment\x18\x03 \x01(\x0b\x32\x16.commctx.v1.Assignment\x12\x15\n\rmember_secret\x18\x04 \x01(\t\x12\x32\n\x12worker_assignments\x18\x05 \x03(\x0b\x32\x16.commctx.v1.Assignment\"\xe9\x02\n\nAssignment\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tnode_rank\x18\x05 \x01(\r\x12\x11\n\tnum_nodes\x18\x06 \x01(\r\x12\x12\n\nlocal_rank\x18\x07 \x01(\r\x12\x18\n\x10local_world_size\x18\x08 \x01(\r\x12\x13\n\x0bmaster_addr\x18\t \x01(\t\x12\x13\n\x0bmaster_port\x18\n \x01(\r\x12\x10\n\x08\x64ist_url\x18\x0b \x01(\t\x12!\n\x06groups\x18\x0c \x03(\x0b\x32\x11.commctx.v1.Group\x12\x0c\n\x04role\x18\r \x01(\t\x12\x16\n\x0e\x63hanged_groups\x18\x0e \x03(\t\x12\x1a\n\rprevious_rank\x18\x0f \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x10 \x01(\tB\x10\n\x0e_previous_rank\"v\n\x05Group\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\"\n\x05ranks\x18\x03 \x01(\x0b\x32\x13.commctx.v1.RankSet\x12\x10\n\x08\x63pu_twin\x18\x04 \x01(\x08\x12\x11\n\x04root\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_root\",\n\x07RankSet\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.commctx.v1.RankRun\"7\n\x07RankRun\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06stride\x18\x03 \x01(\r\"\x8e\x01\n\x0eSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nspare_port\x18\x04 \x01(\r\x12\x15\n\rmember_secret\x18\x05 \x01(\t\x12\x1a\n\x12restart_generation\x18\x06 \x01(\x04\"\x9f\x01\n\x0cSessionEvent\x12\x16\n\x0clease_ttl_ms\x18\x01 \x01(\rH\x00\x12\x30\n\rworld_changed\x18\x02 \x01(\x0b\x32\x17.commctx.v1.WorldChangeH\x00\x12,\n\nassignment\x18\x03 \x01(\x0b\x32\x16.commctx.v1.AssignmentH\x00\x12\x0e\n\x04gone\x18\x04 \x01(\tH\x00\x42\x07\n\x05\x65vent\"1\n\x0bWorldChange\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"`\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x15\n\rmember_secret\x18\x04 \x01(\t\"=\n\x11KeepAliveResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"H\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x15\n\rmember_secret\x18\x03 \x01(\t\"\x0f\n\rLeaveResponse\"i\n\x12\x44\x65scribeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\njob_secret\x18\x02 \x01(\t\x12\x16\n\x0enode_page_size\x18\x03 \x01(\r\x12\x17\n\x0fnode_page_token\x18\x04 \x01(\t\"\xb8\x03\n\x0eJobDescription\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .commctx.v1.JobDescription.State\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12!\n\x04spec\x18\x04 \x01(\x0b\x32\x13.commctx.v1.JobSpec\x12\x0e\n\x06joined\x18\x05 \x01(\r\x12\x0f\n\x07missing\x18\x06 \x01(\r\x12*\n\x05nodes\x18\x07 \x03(\x0b\x32\x1b.commctx.v1.NodeDescription\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x15\n\rforming_for_s\x18\t \x01(\x01\x12\x15\n\rmissing_nodes\x18\n \x03(\t\x12\x0f\n\x07waiting\x18\x0b \x01(\r\x12\x11\n\tnot_ready\x18\x0c \x01(\r\x12\x11\n\tnum_nodes\x18\r \x01(\r\x12\x1c\n\x14next_node_page_token\x18\x0e \x01(\t\"N\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORMING\x10\x01\x12\n\n\x06\x46ORMED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\t\n\x05\x45NDED\x10\x04\"8\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x10ListJobsResponse\x12(\n\x04jobs\x18\x01 \x03(\x0b\x32\x1a.commctx.v1.JobDescription\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"~\n\x0fNodeDescription\x12\x10\n\x08node_key\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x11\n\tnode_rank\x18\x04 \x01(\r\x12$\n\x05roles\x18\x05 \x03(\x0b\x32\x15.commctx.v1.RoleCount*\x99\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x10\n\x0cJOB_CONFLICT\x10\x02\x12\x14\n\x10STALE_GENERATION\x10\x03\x12\x0e\n\nRANK_TAKEN\x10\x04\x12\x0c\n\x08JOB_FULL\x10\x05\x12\x14\n\x10MEMBER_NOT_FOUND\x10\x06\x12\x16\n\x12RENDEZVOUS_TIMEOUT\x10\x07\x12\x16\n\x12SERVER_UNAVAILABLE\x10\x08\x12\x1a\n\x16UNAUTHENTICATED_CALLER\x10\t\x12\x0e\n\nJOB_SEALED\x10\n\x12\x0f\n\x0bSERVER_FULL\x10\x0b\x12\x0e\n\nNOT_LEADER\x10\x0c*&\n\x05Scope\x12\r\n\tSCOPE_JOB\x10\x00\x12\x0e\n\nSCOPE_NODE\x10\x01\x32\xa6\x03\n\nRendezvous\x12\x39\n\x04Join\x12\x17.commctx.v1.JoinRequest\x1a\x18.commctx.v1.JoinResponse\x12\x43\n\x07Session\x12\x1a.commctx.v1.SessionRequest\x1a\x18.commctx.v1.SessionEvent(\x01\x30\x01\x12H\n\tKeepAlive\x12\x1c.commctx.v1.KeepAliveRequest\x1a\x1d.commctx.v1.KeepAliveResponse\x12<\n\x05Leave\x12\x18.commctx.v1.LeaveRequest\x1a\x19.commctx.v1.LeaveResponse\x12I\n\x0b\x44\x65scribeJob\x12\x1e.commctx.v1.DescribeJobRequest\x1a\x1a.commctx.v1.JobDescription\x12\x45\n\x08ListJobs\x12\x1b.commctx.v1.ListJobsRequest\x1a\x1c.commctx.v1.ListJobsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'commctx.v1.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=3341
-  _globals['_ERRORREASON']._serialized_end=3622
-  _globals['_SCOPE']._serialized_start=3624
-  _globals['_SCOPE']._serialized_end=3662
+  _globals['_ERRORREASON']._serialized_start=3440
+  _globals['_ERRORREASON']._serialized_end=3721
+  _globals['_SCOPE']._serialized_start=3723
+  _globals['_SCOPE']._serialized_end=3761
   _globals['_JOBSPEC']._serialized_start=44
   _globals['_JOBSPEC']._serialized_end=275
   _globals['_ELASTIC']._serialized_start=277
@@ -54,43 +54,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKLIST']._serialized_start=896
   _globals['_RANKLIST']._serialized_end=921
   _globals['_JOINREQUEST']._serialized_start=924
-  _globals['_JOINREQUEST']._serialized_end=1223
-  _globals['_JOINRESPONSE']._serialized_start=1225
-  _globals['_JOINRESPONSE']._serialized_end=1347
-  _globals['_ASSIGNMENT']._serialized_start=1350
-  _globals['_ASSIGNMENT']._serialized_end=1711
-  _globals['_GROUP']._serialized_start=1713
-  _globals['_GROUP']._serialized_end=1831
-  _globals['_RANKSET']._serialized_start=1833
-  _globals['_RANKSET']._serialized_end=1877
-  _globals['_RANKRUN']._serialized_start=1879
-  _globals['_RANKRUN']._serialized_end=1934
-  _globals['_SESSIONREQUEST']._serialized_start=1936
-  _globals['_SESSIONREQUEST']._serialized_end=2050
-  _globals['_SESSIONEVENT']._serialized_start=2053
-  _globals['_SESSIONEVENT']._serialized_end=2212
-  _globals['_WORLDCHANGE']._serialized_start=2214
-  _globals['_WORLDCHANGE']._serialized_end=2263
-  _globals['_KEEPALIVEREQUEST']._serialized_start=2265
-  _globals['_KEEPALIVEREQUEST']._serialized_end=2361
-  _globals['_KEEPALIVERESPONSE']._serialized_start=2363
-  _globals['_KEEPALIVERESPONSE']._serialized_end=2424
-  _globals['_LEAVEREQUEST']._serialized_start=2426
-  _globals['_LEAVEREQUEST']._serialized_end=2498
-  _globals['_LEAVERESPONSE']._serialized_start=2500
-  _globals['_LEAVERESPONSE']._serialized_end=2515
-  _globals['_DESCRIBEJOBREQUEST']._serialized_start=2517
-  _globals['_DESCRIBEJOBREQUEST']._serialized_end=2622
-  _globals['_JOBDESCRIPTION']._serialized_start=2625
-  _globals['_JOBDESCRIPTION']._serialized_end=3065
-  _globals['_JOBDESCRIPTION_STATE']._serialized_start=2987
-  _globals['_JOBDESCRIPTION_STATE']._serialized_end=3065
-  _globals['_LISTJOBSREQUEST']._serialized_start=3067
-  _globals['_LISTJOBSREQUEST']._serialized_end=3123
-  _globals['_LISTJOBSRESPONSE']._serialized_start=3125
-  _globals['_LISTJOBSRESPONSE']._serialized_end=3210
-  _globals['_NODEDESCRIPTION']._serialized_start=3212
-  _globals['_NODEDESCRIPTION']._serialized_end=3338
-  _globals['_RENDEZVOUS']._serialized_start=3665
-  _globals['_RENDEZVOUS']._serialized_end=4087
+  _globals['_JOINREQUEST']._serialized_end=1240
+  _globals['_JOINRESPONSE']._serialized_start=1243
+  _globals['_JOINRESPONSE']._serialized_end=1417
+  _globals['_ASSIGNMENT']._serialized_start=1420
+  _globals['_ASSIGNMENT']._serialized_end=1781
+  _globals['_GROUP']._serialized_start=1783
+  _globals['_GROUP']._serialized_end=1901
+  _globals['_RANKSET']._serialized_start=1903
+  _globals['_RANKSET']._serialized_end=1947
+  _globals['_RANKRUN']._serialized_start=1949
+  _globals['_RANKRUN']._serialized_end=2004
+  _globals['_SESSIONREQUEST']._serialized_start=2007
+  _globals['_SESSIONREQUEST']._serialized_end=2149
+  _globals['_SESSIONEVENT']._serialized_start=2152
+  _globals['_SESSIONEVENT']._serialized_end=2311
+  _globals['_WORLDCHANGE']._serialized_start=2313
+  _globals['_WORLDCHANGE']._serialized_end=2362
+  _globals['_KEEPALIVEREQUEST']._serialized_start=2364
+  _globals['_KEEPALIVEREQUEST']._serialized_end=2460
+  _globals['_KEEPALIVERESPONSE']._serialized_start=2462
+  _globals['_KEEPALIVERESPONSE']._serialized_end=2523
+  _globals['_LEAVEREQUEST']._serialized_start=2525
+  _globals['_LEAVEREQUEST']._serialized_end=2597
+  _globals['_LEAVERESPONSE']._serialized_start=2599
+  _globals['_LEAVERESPONSE']._serialized_end=2614
+  _globals['_DESCRIBEJOBREQUEST']._serialized_start=2616
+  _globals['_DESCRIBEJOBREQUEST']._serialized_end=2721
+  _globals['_JOBDESCRIPTION']._serialized_start=2724
+  _globals['_JOBDESCRIPTION']._serialized_end=3164
+  _globals['_JOBDESCRIPTION_STATE']._serialized_start=3086
+  _globals['_JOBDESCRIPTION_STATE']._serialized_end=3164
+  _globals['_LISTJOBSREQUEST']._serialized_start=3166
+  _globals['_LISTJOBSREQUEST']._serialized_end=3222
+  _globals['_LISTJOBSRESPONSE']._serialized_start=3224
+  _globals['_LISTJOBSRESPONSE']._serialized_end=3309
+  _globals['_NODEDESCRIPTION']._serialized_start=3311
+  _globals['_NODEDESCRIPTION']._serialized_end=3437
+  _globals['_RENDEZVOUS']._serialized_start=3764
+  _globals['_RENDEZVOUS']._serialized_end=4186
 # @@protoc_insertion_point(module_scope)

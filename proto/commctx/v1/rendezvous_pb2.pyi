@@ -138,7 +138,7 @@ class RankList(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret", "job_secret")
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret", "job_secret", "workers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class JoinRequest(_message.Message):
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     node_key: str
@@ -163,19 +164,22 @@ class JoinRequest(_message.Message):
     member_id: str
     member_secret: str
     job_secret: str
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ...) -> None: ...
+    workers: int
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("member_id", "lease_ttl_ms", "assignment", "member_secret")
+    __slots__ = ("member_id", "lease_ttl_ms", "assignment", "member_secret", "worker_assignments")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     lease_ttl_ms: int
     assignment: Assignment
     member_secret: str
-    def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., member_secret: _Optional[str] = ...) -> None: ...
+    worker_assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., member_secret: _Optional[str] = ..., worker_assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason")
@@ -244,18 +248,20 @@ class RankRun(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret")
+    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret", "restart_generation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SPARE_PORT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    RESTART_GENERATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
     spare_port: int
     member_secret: str
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ...) -> None: ...
+    restart_generation: int
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone")
