@@ -1,0 +1,105 @@
+"""Ray: examples/ray_rl.py's driver starts two fake nodes of one trainer and two
+rollout actors each against a real commctx-server; they join with roles and a
+spec, all_reduce over TRAIN_DATA_PARALLEL and broadcast over WEIGHT_TRANSFER."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import signal
+import time
+
+import grpc
+import psutil
+import pytest
+
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .cluster import Server
+
+ray = pytest.importorskip("ray")  # a guard only: the test extra installs commctx[ray]
+
+pytestmark = pytest.mark.timeout(180)
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "ray_rl.py"
+
+
+@pytest.fixture
+def ray_rl(monkeypatch):
+    monkeypatch.setenv("RAY_DISABLE_USAGE_STATS", "1")
+    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init installs its own and leaves it after shutdown
+    spec = importlib.util.spec_from_file_location("ray_rl", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    if ray.is_initialized():  # run() shuts Ray down itself; this only backs it up
+        ray.shutdown()
+    signal.signal(signal.SIGTERM, sigterm)
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_trainers_and_rollouts_as_ray_actors(ray_rl):
+    before = descendants()
+    server = Server("127.0.0.1")
+    try:
+        start = time.monotonic()
+        reports = ray_rl.run(server.address, job_id="ray-rl", timeout=90)
+        print(f"ray_rl.run: {time.monotonic() - start:.1f} s")
+
+        # Who is who: returned in the driver's order, node0's three then node1's.
+        assert [(r["node_key"], r["role"]) for r in reports] == [
+            (n, role) for n in ("node0", "node1") for role in ("trainer", "rollout", "rollout")
+        ]
+        assert sorted(r["rank"] for r in reports) == list(range(6))
+        assert len({r["pid"] for r in reports}) == 6  # six processes, one CommContext each
+        node = {"node0": [0, 1, 2], "node1": [3, 4, 5]}  # node ranks follow the node keys
+        trainer = {}
+        for r in reports:
+            assert r["node_rank"] == int(r["node_key"][-1])
+            assert r["rank"] in node[r["node_key"]]
+            assert r["local_rank"] == node[r["node_key"]].index(r["rank"])
+            if r["role"] == "trainer":
+                trainer[r["node_key"]] = r["rank"]
+        trainers = sorted(trainer.values())
+
+        for r in reports:
+            mine = node[r["node_key"]]
+            expected = {"GLOBAL": list(range(6)), "INTRA_NODE": mine,
+                        "INTER_NODE": [node["node0"][r["local_rank"]], node["node1"][r["local_rank"]]],
+                        "WEIGHT_TRANSFER": mine}  # the node's trainer and its two rollout workers
+            if r["role"] == "trainer":
+                expected["TRAIN_DATA_PARALLEL"] = trainers
+            assert r["groups"] == expected, r
+            # the sender, the root of the broadcast, is this node's trainer
+            assert r["roots"] == {"WEIGHT_TRANSFER": trainer[r["node_key"]]}, r
+            assert r["destroyed"]
+
+        sent = {}
+        for r in reports:
+            if r["role"] == "trainer":
+                total = float(sum(t + 1 for t in trainers))
+                assert r["reduced"] == [total] * 4
+                assert r["sent"] == [total + 1000.0 * (r["rank"] + 1)] * 4
+                sent[r["node_key"]] = r["sent"]
+        assert sent["node0"] != sent["node1"]  # so that a rollout in the wrong group would show
+        for r in reports:
+            if r["role"] == "rollout":
+                assert r["received"] == sent[r["node_key"]], r
+
+        # Every actor left: the job is gone from the server.
+        with grpc.insecure_channel(server.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="ray-rl"), timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        server.stop()
+
+    # Ray's processes (GCS, raylet, workers) and the server are gone.
+    deadline = time.monotonic() + 20
+    while (left := descendants() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
