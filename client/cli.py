@@ -120,11 +120,39 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_plan)
 
 
+def read_spec(path: str) -> pb.JobSpec:
+    """The JobSpec in JSON file `path` ("-": stdin).
+
+    Raises:
+        SystemExit: one line naming the file and what is wrong with it (cannot
+            be read, not JSON, not a JobSpec).
+    """
+    shown = "stdin" if path == "-" else path
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+    except OSError as exc:
+        raise SystemExit(f"commctx plan: cannot read --spec {shown}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"commctx plan: --spec {shown} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"commctx plan: --spec {shown} is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"commctx plan: --spec {shown} is not a JobSpec: a JSON object is needed, not {type(data).__name__}")
+    try:
+        return json_format.ParseDict(data, pb.JobSpec())
+    except json_format.ParseError as exc:
+        why = str(exc).strip().splitlines()[0].rstrip(".")[:300]
+        raise SystemExit(f"commctx plan: --spec {shown} is not a JobSpec: {why}") from None
+
+
 def build_spec(args: argparse.Namespace, world_size: int) -> pb.JobSpec:
-    spec = pb.JobSpec()
-    if args.spec:
-        text = sys.stdin.read() if args.spec == "-" else open(args.spec).read()
-        json_format.Parse(text, spec)
+    spec = read_spec(args.spec) if args.spec else pb.JobSpec()
     if spec.world_size and spec.world_size != world_size:
         raise SystemExit(f"commctx plan: the spec says world_size {spec.world_size} but the world has {world_size} workers")
     spec.world_size = world_size

@@ -68,10 +68,10 @@ class CommContext:
     @classmethod
     def join(
         cls,
-        server_addr: str,
+        server_addr: str | None = None,
         *,
-        job_id: str,
-        world_size: int,
+        job_id: str | None = None,
+        world_size: int | None = None,
         node_key: str | None = None,
         local_rank: int | None = None,
         node_rank: int | None = None,
@@ -98,8 +98,9 @@ class CommContext:
             server_addr: 'host:port' of the rendezvous server (port defaults to 50051),
                 or of its HA replicas: a comma-separated list, or one DNS name
                 that resolves to several addresses; the leader is found and
-                followed across failovers.
+                followed across failovers. Default: COMMCTX_SERVER.
             job_id: The job to join; workers with the same id form one world.
+                Default: COMMCTX_JOB_ID.
             world_size: Number of workers in the job.
             node_key: Identifies this worker's node; default: the hostname.
             local_rank: This worker's rank in its node, if the launcher knows it.
@@ -135,9 +136,30 @@ class CommContext:
         ctx = cls()
         if ctx._membership is not None or ctx.is_initialized():
             raise CommContextError("CommContext is already initialised in this process; call destroy() first")
+        launcher = LauncherEnv.from_env()
+        if launcher.torchrun_world:  # torchrun --rdzv-backend=commctx: the agent joined for this worker
+            from .launched import LaunchedWorker
+
+            if on_world_changed is not None:
+                raise CommContextError("on_world_changed is not available under torchrun: its agent restarts the "
+                                       "workers into the next world")
+            try:
+                ctx._membership = LaunchedWorker.from_env(
+                    launcher.torchrun_world, job_id=job_id, world_size=world_size, backend=resolve_backend(backend),
+                    collective_timeout_s=collective_timeout)
+                ctx._membership.enter(ctx._registry)
+            except BaseException:
+                ctx.destroy()
+                raise
+            return ctx
+        server_addr = server_addr or launcher.server
+        job_id = job_id or launcher.job_id
+        if not server_addr:
+            raise CommContextError("no rendezvous server: pass server_addr or set COMMCTX_SERVER=host:port")
+        if not job_id:
+            raise CommContextError("no job: pass job_id or set COMMCTX_JOB_ID")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
-        launcher = LauncherEnv.from_env()
         request = pb.JoinRequest(
             job_id=job_id, spec=job_spec_of(spec, world_size), role=role or "",
             job_secret=job_secret or launcher.job_secret or "",
@@ -167,7 +189,8 @@ class CommContext:
     @property
     def world_change(self) -> WorldChange | None:
         """The pending change of the world (the server is re-forming it), or None."""
-        return self._membership.session.world_change if self._membership is not None else None
+        m = self._membership
+        return m.session.world_change if m is not None and m.session is not None else None
 
     def wait_world_change(self, timeout: float | None = None) -> WorldChange | None:
         """Blocks until the server announces a change of the world (or `timeout`)."""
@@ -200,6 +223,9 @@ class CommContext:
     def _joined(self) -> Membership:
         if self._membership is None:
             raise CommContextError("no rendezvous session: this process did not join (use CommContext.join)")
+        if self._membership.session is None:
+            raise CommContextError("this worker was started by torchrun --rdzv-backend=commctx: its agent holds the "
+                                   "membership and restarts the workers into the next world")
         return self._membership
 
     # -- the seed API -----------------------------------------------------------------

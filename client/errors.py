@@ -41,8 +41,12 @@ class RendezvousError(CommCtxError):
         self.reason = reason
 
 
-class InvalidRequest(RendezvousError):
-    """INVALID_ARGUMENT: a request field is malformed; the message names it."""
+class InvalidRequest(RendezvousError, ValueError):
+    """INVALID_ARGUMENT: a request field is malformed; the message names it.
+
+    Also raised before any call for a `spec=` dict that is not a JobSpec (an
+    unknown key, a wrong type); a ValueError too.
+    """
 
 
 class JobConflict(RendezvousError):

@@ -26,7 +26,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch
 from .assignment import Assignment
-from .errors import CommContextError, ServerUnavailable
+from .errors import CommContextError, InvalidRequest, ServerUnavailable
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
@@ -54,6 +54,9 @@ class LauncherEnv:
     tls_key: str | None = None
     token: str | None = None  # COMMCTX_TOKEN: the bearer token the server requires
     job_secret: str | None = None  # COMMCTX_JOB_SECRET: seals the job (the first join) or opens it
+    server: str | None = None  # COMMCTX_SERVER: the rendezvous server's host:port (or replica list)
+    job_id: str | None = None  # COMMCTX_JOB_ID: the job to join
+    torchrun_world: str | None = None  # COMMCTX_TORCHRUN_WORLD under torchrun: the agent's file of assignments
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
@@ -87,6 +90,9 @@ class LauncherEnv:
             tls_key=env.get("COMMCTX_TLS_KEY") or None,
             token=env.get("COMMCTX_TOKEN") or None,
             job_secret=env.get("COMMCTX_JOB_SECRET") or None,
+            server=env.get("COMMCTX_SERVER") or None,
+            job_id=env.get("COMMCTX_JOB_ID") or None,
+            torchrun_world=(env.get("COMMCTX_TORCHRUN_WORLD") or None) if env.get("TORCHELASTIC_RUN_ID") else None,
         )
 
 
@@ -94,7 +100,8 @@ def job_spec_of(spec: Mapping[str, Any] | pb.JobSpec | None, world_size: int) ->
     """The wire JobSpec for `spec` (a message, its JSON form as a dict, or None).
 
     Raises:
-        ValueError: the dict is not a JobSpec, or its world_size disagrees.
+        InvalidRequest (a ValueError): the dict is not a JobSpec (the message
+            names an unknown key and where it is), or its world_size disagrees.
     """
     if spec is None:
         out = pb.JobSpec()
@@ -102,14 +109,48 @@ def job_spec_of(spec: Mapping[str, Any] | pb.JobSpec | None, world_size: int) ->
         out = pb.JobSpec()
         out.CopyFrom(spec)
     else:
+        if not isinstance(spec, Mapping):
+            raise InvalidRequest("INVALID_ARGUMENT", f"spec is not a JobSpec: expected a dict or a JobSpec, got {type(spec).__name__}")
+        problem = _spec_problem(spec, pb.JobSpec.DESCRIPTOR, "spec")
+        if problem:
+            raise InvalidRequest("INVALID_ARGUMENT", f"spec is not a JobSpec: {problem}")
         try:
             out = json_format.ParseDict(dict(spec), pb.JobSpec())
         except json_format.ParseError as exc:
-            raise ValueError(f"spec is not a JobSpec: {exc}") from exc
+            why = str(exc).splitlines()[0].rstrip(".")[:300]
+            raise InvalidRequest("INVALID_ARGUMENT", f"spec is not a JobSpec: {why}") from None
     if out.world_size and out.world_size != world_size:
-        raise ValueError(f"spec.world_size {out.world_size} disagrees with world_size {world_size}")
+        raise InvalidRequest("INVALID_ARGUMENT", f"spec.world_size {out.world_size} disagrees with world_size {world_size}")
     out.world_size = world_size
     return out
+
+
+def _spec_problem(value: Mapping[str, Any], descriptor: Any, path: str) -> str:
+    """What is wrong with the shape of `value` as a `descriptor` message:
+    the first key (here or in the messages nested in it) that names no field,
+    or a message field that is not a dict (a repeated one not a list); ""
+    when nothing is. Values themselves are left to json_format."""
+    for key, item in value.items():
+        field = descriptor.fields_by_name.get(key) if isinstance(key, str) else None
+        if field is None and isinstance(key, str):
+            field = next((f for f in descriptor.fields if f.json_name == key), None)
+        if field is None:
+            known = ", ".join(f.name for f in descriptor.fields)
+            return f"unknown key {key!r} in {path} (known keys: {known})"
+        if item is None or field.message_type is None or field.message_type.full_name.startswith("google.protobuf."):
+            continue  # None: JSON null, the field left out
+        repeated = getattr(field, "is_repeated", None)
+        repeated = field.label == field.LABEL_REPEATED if repeated is None else repeated
+        if repeated and not isinstance(item, list):
+            return f"{path}.{key} must be a list, not {type(item).__name__}"
+        for i, sub in enumerate(item) if repeated else [(None, item)]:
+            where = f"{path}.{key}" + (f"[{i}]" if i is not None else "")
+            if not isinstance(sub, Mapping):
+                return f"{where} must be an object (a dict), not {type(sub).__name__}"
+            found = _spec_problem(sub, field.message_type, where)
+            if found:
+                return found
+    return ""
 
 
 def resolve_backend(backend: str | None) -> str:

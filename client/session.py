@@ -87,6 +87,8 @@ class Session:
         self._lock = threading.Condition()
         self._generation = 0
         self._spare_port = 0
+        self._restart = 0  # a generation to re-form (a launcher restarting its workers), until sent
+        self.worker_assignments: tuple[pb.Assignment, ...] = ()  # a node membership's, by local rank
         self._change: WorldChange | None = None
         self._next: Assignment | None = None  # a pushed assignment not yet taken
         self._callbacks: list[Callable[[WorldChange], None]] = []
@@ -148,6 +150,7 @@ class Session:
         self._ttl_s = response.lease_ttl_ms / 1000
         self._ttl_known = True
         self.assignment = Assignment.from_proto(response.assignment, response.member_id)
+        self.worker_assignments = tuple(response.worker_assignments)
         self._generation = self.assignment.generation
         self._thread = threading.Thread(target=self._run, name="commctx-session", daemon=True)
         self._thread.start()
@@ -164,8 +167,9 @@ class Session:
             with self._lock:
                 message = pb.SessionRequest(
                     job_id=self._job_id, member_id=self.member_id, generation=self._generation, spare_port=self._spare_port,
-                    member_secret=self._secret,
+                    member_secret=self._secret, restart_generation=self._restart,
                 )
+                self._restart = 0
             yield message
             try:  # the next renewal after TTL/3, or at once for a new spare port or to stop
                 self._wake.get(timeout=max(self._ttl_s / 3, 0.01))
@@ -221,6 +225,7 @@ class Session:
         if kind == "lease_ttl_ms":
             self._ttl_s = event.lease_ttl_ms / 1000
         elif kind == "world_changed":
+            self._wake.put(True)  # renew now: the server awaits survivors it has not heard from lately
             self._changed(WorldChange(event.world_changed.generation, event.world_changed.reason))
         elif kind == "assignment":
             a = Assignment.from_proto(event.assignment, self.member_id)
@@ -276,6 +281,31 @@ class Session:
         with self._lock:
             self._spare_port = port
         self._wake.put(True)
+
+    def request_restart(self) -> None:
+        """Asks the server for the next generation of the current world with the
+        same members (a launcher restarting its workers after a failure)."""
+        with self._lock:
+            self._restart = self._generation
+        self._wake.put(True)
+
+    def current_world(self, request: pb.JoinRequest, timeout_s: float) -> pb.JoinResponse:
+        """The answer to `request` (the one `join` sent) for the world this member
+        sits in now: a Join re-attaching to the membership. A node membership's
+        session events carry its first worker's assignment; this gives all.
+
+        Raises:
+            RendezvousError: the server refused it (a subclass says why).
+        """
+        request = pb.JoinRequest.FromString(request.SerializeToString())
+        request.member_id, request.member_secret = self.member_id, self._secret
+        request.wait_timeout_ms = max(1, round(timeout_s * 1000))
+        try:
+            response = self._endpoints.call("Join", request, timeout_s + 5.0)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        self.worker_assignments = tuple(response.worker_assignments)
+        return response
 
     def next_assignment(self, timeout_s: float) -> Assignment:
         """Waits for the next generation's assignment and takes it.

@@ -9,6 +9,11 @@ A highly available server is several replicas, one of them the leader; the
 others answer every call UNAVAILABLE with reason NOT_LEADER and the leader's
 address (ErrorInfo metadata "leader") when they know it. `Endpoints` holds the
 replicas a client knows and which of them leads.
+
+A Join that cannot reach the server (a wrong address, a server that is down)
+keeps trying until its timeout; meanwhile it logs a warning (logger "commctx")
+after UNREACHABLE_WARN_AFTER_S and every UNREACHABLE_WARN_EVERY_S after,
+naming the address, why it cannot connect and how long it will keep trying.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -39,6 +44,7 @@ DOMAIN = "commctx"
 # The ErrorReason name of a replica that is not the leader. Matched as text: the
 # generated enum of an older checkout may not have it.
 NOT_LEADER = "NOT_LEADER"
+_RENDEZVOUS_TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
 
 _BY_CODE: dict[grpc.StatusCode, type[errors.RendezvousError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
@@ -164,6 +170,13 @@ FAILOVER_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 3_000),
 ]
 
+# A Join that has not reached the server for this long logs a warning, and
+# another every UNREACHABLE_WARN_EVERY_S while it still has not (module
+# constants: a test may shorten them).
+UNREACHABLE_WARN_AFTER_S = 5.0
+UNREACHABLE_WARN_EVERY_S = 30.0
+_WATCH_TICK_S = 1.0  # how often a waiting Join looks at its channel's state
+
 
 class _CallDetails(
     collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
@@ -264,6 +277,89 @@ def _resolve(host: str, port: int) -> list[str]:
     return out
 
 
+def why_unreachable(address: str, timeout_s: float = 1.0) -> str:
+    """Why 'host:port' gives no gRPC answer, as far as one TCP connection can tell
+    (e.g. "connection refused")."""
+    try:
+        host, port = split_address(address)
+    except ValueError as exc:
+        return str(exc)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except socket.gaierror as exc:
+        return f"host {host!r} does not resolve: {exc.strerror or exc}"
+    except TimeoutError:
+        return f"no TCP answer within {timeout_s:g} s"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+    return "it accepts TCP connections but no gRPC call gets through: check TLS (tls_ca=) and that it is a commctx-server"
+
+
+class _WatchedJoin:
+    """A stub's Join that, while its answer is awaited and its channel is not
+    connected, tells `Endpoints` (which warns when that has lasted; see
+    UNREACHABLE_WARN_AFTER_S). Otherwise the same call."""
+
+    def __init__(self, call: Any, channel: grpc.Channel, endpoints: Endpoints, address: str) -> None:
+        self._call = call
+        self._channel = channel
+        self._endpoints = endpoints
+        self._address = address
+
+    def __getattr__(self, name: str) -> Any:  # future, with_call: unwatched
+        return getattr(self._call, name)
+
+    def __call__(self, request: pb.JoinRequest, timeout: float | None = None, **kwargs: Any) -> pb.JoinResponse:
+        start = time.monotonic()
+        # The join gives up when the server's wait ends (the caller adds slack to the call's deadline).
+        give_up = start + (request.wait_timeout_ms / 1000 if request.wait_timeout_ms else (timeout or 0.0))
+        state: list[grpc.ChannelConnectivity | None] = [None]
+
+        def on_state(s: grpc.ChannelConnectivity) -> None:
+            state[0] = s
+
+        self._channel.subscribe(on_state, try_to_connect=False)
+        try:
+            future = self._call.future(request, timeout=timeout, **kwargs)
+            connected = start  # the call's start, or when its channel was last seen connected
+            try:
+                while True:
+                    now = time.monotonic()
+                    if state[0] is grpc.ChannelConnectivity.READY:
+                        connected = now
+                        self._endpoints.reachable()
+                    elif state[0] is not None:
+                        self._endpoints.unreachable(connected, now, give_up, lambda: why_unreachable(self._address))
+                    try:  # the first state comes from another thread: look again soon
+                        reply = future.result(timeout=self._endpoints.next_check(now) if state[0] is not None else 0.05)
+                    except grpc.FutureTimeoutError:
+                        continue
+                    self._endpoints.reachable()
+                    return reply
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                # Not through: no answer, a server shutting down, or a replica that knows no leader.
+                if (code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not leader_hint(exc)
+                        and error_reason(exc) != _RENDEZVOUS_TIMEOUT):
+                    details = (exc.details() if hasattr(exc, "details") else "") or ""
+                    now = time.monotonic()
+                    self._endpoints.unreachable(now, now, give_up, lambda: _short(details) or why_unreachable(self._address))
+                else:  # the server answered
+                    self._endpoints.reachable()
+                raise
+            except BaseException:  # e.g. KeyboardInterrupt while waiting: do not leave the call behind
+                future.cancel()
+                raise
+        finally:
+            self._channel.unsubscribe(on_state)
+
+
+def _short(details: str, limit: int = 200) -> str:
+    line = details.strip().splitlines()[0] if details.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 class Endpoints:
     """The replicas of a rendezvous server this client knows, and which of them leads.
 
@@ -307,6 +403,9 @@ class Endpoints:
         self._channels: dict[str, tuple[grpc.Channel, pb_grpc.RendezvousStub]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._down_since: float | None = None  # since when no Join has reached the server (see unreachable)
+        self._next_warning = 0.0
+        self._warned = False  # whether the outage since _down_since was logged
 
     @property
     def address(self) -> str:
@@ -335,7 +434,9 @@ class Endpoints:
             entry = self._channels.get(self._current)
             if entry is None:
                 channel = self._open(self._current)
-                entry = self._channels[self._current] = (channel, pb_grpc.RendezvousStub(channel))
+                stub = pb_grpc.RendezvousStub(channel)
+                stub.Join = _WatchedJoin(stub.Join, channel, self, self._current)
+                entry = self._channels[self._current] = (channel, stub)
             return entry[1]
 
     def _open(self, address: str) -> grpc.Channel:
@@ -350,8 +451,41 @@ class Endpoints:
     def _candidates(self) -> list[str]:
         return self._given + [a for a in self._learned if a not in self._given]
 
+    def unreachable(self, since: float, now: float, give_up: float, why: Callable[[], str]) -> None:
+        """A Join has not reached the server since `since` (its channel is not
+        connected, or the call failed UNAVAILABLE). Once that has lasted
+        UNREACHABLE_WARN_AFTER_S, and every UNREACHABLE_WARN_EVERY_S after, logs
+        a warning naming the address, `why()` and the time left until `give_up`
+        (monotonic, like the others), when the join stops trying."""
+        with self._lock:
+            if self._down_since is None:
+                self._down_since, self._next_warning = since, since + UNREACHABLE_WARN_AFTER_S
+            if now < self._next_warning:
+                return
+            self._next_warning = now + UNREACHABLE_WARN_EVERY_S
+            if give_up - now < 0.5:  # about to give up: the error says it
+                return
+            down_for, self._warned = now - self._down_since, True
+        log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s",
+                    self.server_addr, down_for, why(), give_up - now)
+
+    def reachable(self) -> None:
+        """The server answered or a Join's channel is connected: an outage, if any, is over."""
+        with self._lock:
+            down_since, warned, self._down_since, self._warned = self._down_since, self._warned, None, False
+        if down_since is not None and warned:
+            log.info("reached the rendezvous server at %s after %.0f s", self.server_addr, time.monotonic() - down_since)
+
+    def next_check(self, now: float) -> float:
+        """Seconds a waiting Join may wait before it looks at its channel again."""
+        with self._lock:
+            if self._down_since is None:
+                return _WATCH_TICK_S
+            return max(0.01, min(_WATCH_TICK_S, self._next_warning - now))
+
     def succeeded(self) -> None:
         """The current replica answered: it is the leader, and calls keep going there."""
+        self.reachable()
         with self._lock:
             old, self._leader = self._leader, self._current
         if old and old != self._leader:

@@ -185,4 +185,10 @@ def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = 
         p.error("--etcd-user needs its password (COMMCTX_ETCD_PASSWORD), and the password its user")
     if values["tls_client_ca"] and not values["tls_cert"]:
         p.error("--tls-client-ca requires client certificates over TLS: give --tls-cert and --tls-key too")
+    ports = [(flag, values[name]) for flag, name in (("--port", "port"), ("--health-port", "health_port"),
+                                                     ("--metrics-port", "metrics_port")) if values[name]]
+    for i, (flag, port) in enumerate(ports):  # 0 (any free port) and off never clash
+        for other, same in ports[:i]:
+            if same == port:
+                p.error(f"{other} and {flag} are both {port}: each needs a port of its own")
     return Config(**values)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
 import os
@@ -75,6 +76,48 @@ def etcd_config(config: Config) -> EtcdConfig:
         tuple(e.strip() for e in config.etcd_endpoints.split(",") if e.strip()), config.etcd_prefix,
         read(config.etcd_ca, "--etcd-ca"), read(config.etcd_cert, "--etcd-cert"), read(config.etcd_key, "--etcd-key"),
         config.etcd_user, config.etcd_password)
+
+
+def port_in_use(host: str, port: int, what: str = "port", flag: str = "--port") -> str:
+    """"" when `port` on `host` can be listened on now, else the one line that
+    says why not (e.g. "port 50051 on 0.0.0.0 is already in use (--port)").
+
+    Asked before gRPC binds: gRPC sets SO_REUSEPORT, so a second commctx-server
+    would share the port of a running one instead of failing, and a failed bind
+    costs a traceback and gRPC's own log lines. Port 0 (any free port) is always fine.
+    """
+    if not port:
+        return ""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        return f"cannot listen on {host_port(host, port)} ({flag}): host {host!r} does not resolve: {getattr(exc, 'strerror', None) or exc}"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT leftovers are no conflict
+            if family == socket.AF_INET6:
+                with contextlib.suppress(OSError):
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                s.bind(sockaddr)
+                s.listen(1)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"{what} {port} on {host} is already in use ({flag})"
+                return f"cannot listen on {host_port(host, port)} ({flag}): {exc.strerror or exc}"
+    return ""
+
+
+def ports_in_use(config: Config) -> str:
+    """The first of the configured ports that cannot be listened on (see port_in_use), or ""."""
+    wanted = [(config.port, "port", "--port"), (config.health_port, "health port", "--health-port"),
+              (config.metrics_port, "metrics port", "--metrics-port")]
+    for port, what, flag in wanted:
+        if port is not None:
+            problem = port_in_use(config.host, port, what, flag)
+            if problem:
+                return problem
+    return ""
 
 
 def advertise_address(config: Config, port: int) -> str:
@@ -149,10 +192,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # one line naming the file; no traceback
         print(f"commctx-server: {exc}", file=sys.stderr)
         return 1
+    busy = ports_in_use(config)  # one line naming the port; no traceback
+    if busy:
+        print(f"commctx-server: {busy}", file=sys.stderr)
+        return 1
     try:
         return asyncio.run(serve(config, tls, callers, etcd))
     except StoreError as exc:
         print(f"commctx-server: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # a port taken between the check above and the bind
+        if not str(exc).startswith("cannot listen on"):
+            raise
+        print(f"commctx-server: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the metrics port, likewise
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"commctx-server: cannot listen: {exc.strerror}", file=sys.stderr)
         return 1
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from commctx.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 MEGATRON = """\
 TENSOR_PARALLEL    [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]
@@ -69,3 +72,55 @@ def test_bad_arguments_are_usage_errors():
     assert out.returncode == 2 and "'3,x' is not a comma-separated list of numbers" in out.stderr
     with pytest.raises(SystemExit, match="--node-roles names 1 roles but a node has 2 workers"):
         main(["plan", "--nodes", "1", "--per-node", "2", "--node-roles", "a"])
+
+
+# -- a spec file that cannot be used: one line naming the file and why, no traceback --------
+
+
+def plan_with_spec(spec: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["commctx", "plan", "--nodes", "1", "--per-node", "2", "--spec", spec],
+                          capture_output=True, text=True, timeout=60)
+
+
+def assert_one_line(out: subprocess.CompletedProcess, *parts: str) -> None:
+    assert out.returncode != 0 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.endswith("\n"), out.stderr
+    assert "Traceback" not in out.stderr
+    for part in parts:
+        assert part in out.stderr, out.stderr
+
+
+def test_a_missing_spec_file_is_one_line(tmp_path):
+    missing = tmp_path / "missing.json"
+    out = plan_with_spec(str(missing))
+    assert_one_line(out, f"commctx plan: cannot read --spec {missing}: No such file or directory")
+    assert_one_line(plan_with_spec(str(tmp_path)), f"cannot read --spec {tmp_path}: Is a directory")
+
+
+def test_a_spec_file_that_is_not_json_is_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"roles": [\n')
+    assert_one_line(plan_with_spec(str(bad)), f"commctx plan: --spec {bad} is not JSON: Expecting value (line 2, column 1)")
+    bad.write_text("[1, 2]")
+    assert_one_line(plan_with_spec(str(bad)), f"--spec {bad} is not a JobSpec: a JSON object is needed, not list")
+
+
+def test_a_spec_file_with_an_unknown_key_names_it(tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"world_sise": 2}))
+    assert_one_line(plan_with_spec(str(spec)), f"--spec {spec} is not a JobSpec", '"world_sise"')
+    spec.write_text(json.dumps({"layout": {"tpp": 2}}))
+    assert_one_line(plan_with_spec(str(spec)), f"--spec {spec} is not a JobSpec", '"tpp"', "JobSpec.layout")
+
+
+def test_the_shipped_rl_spec_plans(capsys):
+    """examples/rl.json, the README's RL job as a file: one trainer and two
+    rollout workers on each of two nodes."""
+    assert main(["plan", "--nodes", "2", "--per-node", "3", "--node-roles", "trainer,rollout,rollout",
+                 "--spec", str(ROOT / "examples" / "rl.json"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["world_size"] == 6
+    assert [r["role"] for r in plan["ranks"]] == ["trainer", "rollout", "rollout"] * 2
+    assert plan["groups"]["TRAIN_DATA_PARALLEL"] == [[0, 3]]
+    assert plan["groups"]["WEIGHT_TRANSFER"] == [[0, 1, 2], [3, 4, 5]]
+    assert plan["roots"] == {"WEIGHT_TRANSFER": [0, 3]}

@@ -354,7 +354,7 @@ async def start_server(
         out.port = _listen(server, host, port, tls)
         out._servers.append(server)
         if health_port is not None:
-            probe = grpc.aio.server()
+            probe = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port fails, not shared
             health_pb2_grpc.add_HealthServicer_to_server(out._health, probe)
             out.health_port = _listen(probe, host, health_port)
             out._servers.append(probe)

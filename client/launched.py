@@ -1,0 +1,76 @@
+"""A worker that torchrun started with --rdzv-backend=commctx (see torchrun.py):
+its agent holds the membership, so the worker only reads its assignment from
+the agent's file, checks it against torchrun's variables, and builds its world."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from commctx.v1 import rendezvous_pb2 as pb
+
+from .assignment import Assignment
+from .errors import CommContextError
+from .process_groups import build_groups, destroy_all, init_world
+from .registry import GroupRegistry
+
+WORLD_ENV = "COMMCTX_TORCHRUN_WORLD"  # the file of this generation's assignments, written by the agent's handler
+
+
+
+class LaunchedWorker:
+    """A worker of a torchrun job on commctx: its assignment comes from the
+    agent's handler (COMMCTX_TORCHRUN_WORLD), its lease is the agent's, and the
+    agent restarts it when the world changes."""
+
+    session = None
+
+    def __init__(self, assignment: Assignment, backend: str, collective_timeout_s: int) -> None:
+        self.assignment = assignment
+        self.backend = backend
+        self._timeout = datetime.timedelta(seconds=collective_timeout_s)
+
+    @classmethod
+    def from_env(cls, path: str, *, job_id: str | None, world_size: int | None, backend: str,
+                 collective_timeout_s: int, env: Mapping[str, str] | None = None) -> LaunchedWorker:
+        """This worker's assignment, from the agent's file at `path`, checked
+        against torchrun's variables.
+
+        Raises:
+            CommContextError: the file is missing, or it disagrees with torchrun or the arguments.
+        """
+        env = os.environ if env is None else env
+        try:
+            with open(path, "rb") as f:
+                world = pb.JoinResponse.FromString(f.read())
+            local_rank = int(env["LOCAL_RANK"])
+            a = Assignment.from_proto(world.worker_assignments[local_rank], "")
+        except (OSError, KeyError, ValueError, IndexError) as exc:
+            raise CommContextError(f"cannot read this worker's assignment from {WORLD_ENV}={path}: {exc}") from None
+        expected = {"RANK": a.rank, "GROUP_RANK": a.node_rank, "WORLD_SIZE": a.world_size, "LOCAL_WORLD_SIZE": a.local_world_size}
+        for name, value in expected.items():
+            if env.get(name) != str(value):
+                raise CommContextError(f"torchrun set {name}={env.get(name)} but the rendezvous server assigned {value} "
+                                       f"(generation {a.generation} of job {a.job_id!r})")
+        if job_id is not None and job_id != a.job_id:
+            raise CommContextError(f"job_id {job_id!r} disagrees with torchrun's --rdzv-id {a.job_id!r}")
+        if world_size is not None and world_size != a.world_size:
+            raise CommContextError(f"world_size {world_size} disagrees with torchrun's world of {a.world_size}")
+        return cls(a, backend, collective_timeout_s)
+
+    def enter(self, registry: GroupRegistry) -> None:
+        """torch.distributed through torchrun's env:// (the agent's store), then every group."""
+        a = self.assignment
+        registry.register(init_world(a.world_size, a.rank, self.backend, "env://", self._timeout, a.local_rank))
+        for record in build_groups(a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size,
+                                   backend=self.backend, timeout=self._timeout):
+            registry.register(record)
+
+    def close(self, registry: GroupRegistry) -> None:
+        if registry.initialized and dist.is_initialized():
+            destroy_all(10.0)
+        registry.clear()
+

@@ -1,0 +1,266 @@
+"""torchrun's rendezvous on commctx: `torchrun --rdzv-backend=commctx`.
+
+torch finds this handler through the `torchrun.handlers` entry point. Each
+torchrun agent joins the job as one *node membership*: a single Join carries
+the node's workers (--nproc-per-node), and the server seats them as local
+ranks 0..n-1 of that node, so ranks come out exactly as torchrun computes them
+(global rank = workers of lower node ranks + local rank). The agent's lease is
+renewed on one session stream; on it the server pushes the next world when a
+node dies, leaves or arrives, and `num_nodes_waiting` turns positive so that
+the agent restarts its workers into it. No polling of the server.
+
+The store torchrun's agents and workers share is a TCPStore that node rank 0
+serves on its pre-bound spare port (the master port the server handed out),
+fresh for each generation. A restart after a worker failure asks the server
+for the next generation of the same world, so every node restarts together.
+
+Inside a worker, `CommContext.join()` needs no arguments: the handler writes
+each generation's assignments to a file (COMMCTX_TORCHRUN_WORLD) and the
+worker takes its own (launched.py), without a second wait on the server.
+
+Configuration (`--rdzv-conf key=value,...`):
+    join_timeout       seconds to wait for the world (default 600)
+    last_call_timeout  seconds an elastic job waits for more nodes once
+                       --nnodes' minimum is present (default 1)
+    spec               a JSON file of the job's JobSpec (layout, roles, groups);
+                       its world_size, if any, must be --nnodes' maximum x nproc
+    node_key           this node's key (default: the host name)
+    role               the role of this node's workers
+    nproc_per_node     only when the handler is used without the torchrun CLI
+Environment: COMMCTX_TOKEN, COMMCTX_JOB_SECRET, COMMCTX_TLS_* as for workers.
+"""
+
+from __future__ import annotations
+
+
+def handler():
+    """The `torchrun.handlers` entry point: returns the handler's creator.
+
+    Defined before the torch imports below: importing torch's rendezvous
+    package loads every entry point of that group, this one included, so a
+    process that imports this module first finds `handler` already here."""
+    return create_handler
+
+
+import datetime
+import ipaddress
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from commctx.v1 import rendezvous_pb2 as pb
+
+from . import _torch
+from .errors import CommContextError, MemberNotFound, RendezvousTimeout, ServerUnavailable
+from .launched import WORLD_ENV
+from .lifecycle import LauncherEnv, job_spec_of
+from .netif import interface_of, listen_socket, route_source_address
+from .session import Session
+from .transport import server_addresses, tls_of
+
+log = logging.getLogger("commctx")
+
+
+
+def create_handler(params: RendezvousParameters) -> CommctxRendezvousHandler:
+    return CommctxRendezvousHandler(params)
+
+
+def local_world_size(params: RendezvousParameters, argv: list[str] | None = None) -> int:
+    """--nproc-per-node, which torch does not pass to rendezvous handlers: from
+    `nproc_per_node` in --rdzv-conf, else from the torchrun command line."""
+    value = params.get("nproc_per_node")
+    if value is None:
+        from torch.distributed.run import determine_local_world_size, get_args_parser
+
+        argv = sys.argv[1:] if argv is None else argv
+        args, _ = get_args_parser().parse_known_args(argv)
+        value = args.nproc_per_node
+        try:
+            return determine_local_world_size(str(value))
+        except ValueError as exc:
+            raise RendezvousError(f"commctx: cannot tell --nproc-per-node from {value!r}: {exc}") from None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise RendezvousError(f"commctx: nproc_per_node {value!r} is not a positive integer")
+    return n
+
+
+class CommctxRendezvousHandler(RendezvousHandler):
+    """One torchrun agent's membership: its node and its workers."""
+
+    def __init__(self, params: RendezvousParameters, env: Mapping[str, str] | None = None) -> None:
+        if not params.endpoint:
+            raise RendezvousError("commctx: give the rendezvous server as --rdzv-endpoint=HOST:PORT")
+        self._server = params.endpoint
+        self._run_id = params.run_id
+        self._nproc = local_world_size(params)
+        self._min_nodes, self._max_nodes = params.min_nodes, params.max_nodes
+        self._join_timeout = float(params.get("join_timeout", 600))
+        self._local_addr = params.local_addr
+        launcher = LauncherEnv.from_env(env)
+        self._tls = tls_of(None, None, None, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
+        self._token = launcher.token
+        spec = self._spec(params)
+        self._request = pb.JoinRequest(
+            job_id=self._run_id, spec=spec, node_key=params.get("node_key") or socket.gethostname(),
+            role=params.get("role") or "", workers=self._nproc, job_secret=launcher.job_secret or "",
+        )
+        self._timeout = datetime.timedelta(seconds=self._join_timeout)
+        self._session: Session | None = None
+        self._spare: socket.socket | None = None
+        self._store: dist.Store | None = None
+        self._generation = 0
+        self._closed = False
+        self._dir = tempfile.mkdtemp(prefix=f"commctx-{self._run_id}-")
+
+    def _spec(self, params: RendezvousParameters) -> pb.JobSpec:
+        world = self._max_nodes * self._nproc
+        raw: dict = {}
+        if params.get("spec"):
+            path = params.get("spec")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    raw = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise RendezvousError(f"commctx: cannot read the spec {path}: {exc}") from None
+        if self._min_nodes < self._max_nodes:
+            last_call = float(params.get("last_call_timeout", 1))
+            raw.setdefault("elastic", {"min_size": self._min_nodes * self._nproc, "last_call_ms": round(last_call * 1000)})
+        try:
+            return job_spec_of(raw, world)
+        except ValueError as exc:  # InvalidRequest: naming the bad key or value
+            raise RendezvousError(f"commctx: {getattr(exc, 'details', exc)} (--nnodes max {self._max_nodes} x --nproc-per-node {self._nproc})") from None
+
+    # -- RendezvousHandler -----------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "commctx"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # workers reach the store node rank 0's agent serves (TORCHELASTIC_USE_AGENT_STORE)
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Joins (first call) or moves into the next world: the one the server
+        pushed, or, after a worker failure, a re-form of the current one."""
+        if self._closed:
+            raise RendezvousClosedError(f"commctx: the rendezvous of job {self._run_id!r} is closed")
+        try:
+            if self._session is None:
+                response = self._join()
+            else:
+                session = self._session
+                change = session.world_change
+                if change is None or change.generation < self._generation:
+                    session.request_restart()  # a worker failed: everyone restarts into a fresh world
+                session.next_assignment(self._join_timeout)
+                response = session.current_world(self._request, self._join_timeout)
+        except MemberNotFound as exc:
+            self._closed = True
+            raise RendezvousClosedError(f"commctx: job {self._run_id!r} cannot go on: {exc.details}") from None
+        except RendezvousTimeout as exc:
+            raise RendezvousTimeoutError(f"commctx: {exc.details}") from None
+        except ServerUnavailable as exc:
+            raise RendezvousConnectionError(f"commctx: {exc.details}") from None
+        except CommContextError as exc:
+            raise RendezvousError(f"commctx: {exc}") from None
+        return self._enter(response)
+
+    def _join(self) -> pb.JoinResponse:
+        host, port = server_addresses(self._server)[0]
+        try:
+            address = str(ipaddress.ip_address(self._local_addr or route_source_address(host, port)))
+        except (OSError, ValueError) as exc:
+            raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {self._server}: {exc}") from None
+        # As CommContext.join does: gloo and NCCL use the interface that carries the
+        # advertised address, unless the user chose one (workers inherit this).
+        ifname = interface_of(address)
+        if ifname is not None:
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(name, ifname)
+        self._session = Session(self._server, self._tls, self._token)
+        self._spare = listen_socket(address)
+        self._request.address = address
+        self._request.master_port = self._spare.getsockname()[1]
+        self._session.join(self._request, self._join_timeout)  # one Join: it answers with every worker's assignment
+        return pb.JoinResponse(worker_assignments=self._session.worker_assignments)
+
+    def _enter(self, response: pb.JoinResponse) -> RendezvousInfo:
+        """Serves (node rank 0) or opens this generation's store, and writes the workers' assignments."""
+        first = response.worker_assignments[0]
+        self._generation = first.generation
+        self._store = None  # the previous generation's store goes (rank 0: its server closes)
+        if first.node_rank == 0:
+            spare, self._spare = self._spare, None
+            if spare is None or spare.getsockname()[1] != first.master_port:
+                raise RendezvousError(f"commctx: the server made this node rank 0 on port {first.master_port}, "
+                                      f"which it does not hold")
+            self._store = _torch.store_on_socket(first.master_addr, first.master_port, first.num_nodes, self._timeout, spare)
+            self._spare = listen_socket(self._request.address)  # the next world's
+            self._session.offer_spare(self._spare.getsockname()[1])
+        else:
+            self._store = dist.TCPStore(first.master_addr, first.master_port, first.num_nodes, False, timeout=self._timeout)
+        path = os.path.join(self._dir, f"generation-{first.generation}.pb")
+        world = pb.JoinResponse(worker_assignments=response.worker_assignments)  # no member id or secret
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(world.SerializeToString())
+        os.environ.update({"COMMCTX_SERVER": self._server, "COMMCTX_JOB_ID": self._run_id, WORLD_ENV: path})
+        log.info("commctx: job %s generation %d: node rank %d of %d, ranks %d..%d of %d, master %s:%d",
+                 self._run_id, first.generation, first.node_rank, first.num_nodes, first.rank,
+                 first.rank + first.local_world_size - 1, first.world_size, first.master_addr, first.master_port)
+        return RendezvousInfo(self._store, first.node_rank, first.num_nodes,
+                              RendezvousStoreInfo(first.master_addr, first.master_port))
+
+    def is_closed(self) -> bool:
+        if self._closed:
+            return True
+        change = self._session.world_change if self._session is not None else None
+        return change is not None and change.final
+
+    def set_closed(self) -> None:
+        """Leaves the job: the other nodes' world re-forms without this one, or ends."""
+        self._closed = True
+        if self._session is not None:
+            self._session.close(leave=True)
+
+    def num_nodes_waiting(self) -> int:
+        """Positive when the server pushed a change of this world: the agent then
+        restarts its workers (next_rendezvous). Read from the session, no RPC."""
+        change = self._session.world_change if self._session is not None else None
+        return 1 if change is not None and not change.final and change.generation >= self._generation else 0
+
+    def shutdown(self) -> bool:
+        self._closed = True
+        if self._session is not None:
+            self._session.close(leave=True)
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+        self._store = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return True
+

@@ -1,0 +1,119 @@
+"""`torchrun --rdzv-backend=commctx`: real torchrun agents in network
+namespaces standing in for hosts, against a real server; workers that call
+CommContext.join() with no arguments and all-reduce over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from commctx.v1 import rendezvous_pb2 as pb
+
+from .cluster import WORKER, Hosts, Proc, Server, netns_available, running
+
+TRAIN = os.path.join(os.path.dirname(WORKER), "torchrun_train.py")
+NETNS = netns_available()
+TTL_S = 3
+
+
+@pytest.fixture
+def hosts():
+    if NETNS:
+        pytest.skip(NETNS)
+    h = Hosts(2)
+    yield h
+    h.close()
+
+
+def torchrun(server: str, job: str, nnodes: str, ns: str, hostname: str, *script_args: str, conf: str = "") -> Proc:
+    """A torchrun agent on `hostname` (a network namespace with its own UTS name) with 2 workers."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=commctx", f"--rdzv-endpoint={server}",
+            f"--rdzv-id={job}", f"--nnodes={nnodes}", "--nproc-per-node=2", "--max-restarts=3", "--monitor-interval=0.2"]
+    if conf:
+        argv.append(f"--rdzv-conf={conf}")
+    argv += [TRAIN, *script_args]
+    argv = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
+    return Proc(argv, f"torchrun-{hostname}")
+
+
+def ready(agent: Proc, count: int, timeout: float = 120.0) -> list[dict]:
+    """The next `count` JSON lines the agent's workers print (other output skipped)."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < count:
+        line = agent.line(max(0.1, deadline - time.monotonic()))
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def test_two_hosts_run_one_world_with_torchruns_ranks(hosts):
+    server = Server(hosts.server_ip, metrics=True)
+    agents = [torchrun(server.address, "tr", "2", ns, host) for ns, host in zip(hosts.names, ("host-a", "host-b"))]
+    with running([server, *agents]):
+        results = ready(agents[0], 2) + ready(agents[1], 2)
+        assert [r["rank"] for r in results] == [0, 1, 2, 3]
+        for r in results:
+            # the server's ranks are torchrun's (RANK, GROUP_RANK, LOCAL_RANK), host-a first by name
+            assert r["env"] == {"RANK": str(r["rank"]), "GROUP_RANK": str(r["node_rank"]), "LOCAL_RANK": str(r["local_rank"]),
+                                "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+            assert (r["node_rank"], r["local_rank"], r["generation"]) == divmod(r["rank"], 2) + (1,)
+            node, local = r["node_rank"], r["local_rank"]
+            assert r["groups"] == {"GLOBAL": [0, 1, 2, 3], "INTRA_NODE": [2 * node, 2 * node + 1], "INTER_NODE": [local, local + 2]}
+            # all_reduce of rank + 1 over each group
+            assert r["sums"] == {"GLOBAL": 10.0, "INTRA_NODE": 4.0 * node + 3, "INTER_NODE": 2.0 * local + 4}
+        for agent in agents:
+            assert agent.popen.wait(60) == 0, agent.log()
+        # one membership per node: the two agents' Joins carried all four workers
+        metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+        assert "commctx_joins_total 2.0" in metrics
+
+
+def test_an_elastic_job_restarts_the_survivor_into_a_smaller_world(hosts):
+    server = Server(hosts.server_ip, f"--lease-ttl-s={TTL_S}")
+    agents = [torchrun(server.address, "el", "1:2", ns, host, "--hold", "90", conf="last_call_timeout=5")
+              for ns, host in zip(hosts.names, ("host-a", "host-b"))]
+    with running([server, *agents]):
+        first = ready(agents[0], 2) + ready(agents[1], 2)
+        assert [(r["rank"], r["world_size"], r["generation"]) for r in first] == [(0, 4, 1), (1, 4, 1), (2, 4, 1), (3, 4, 1)]
+        killed = time.time()
+        agents[1].kill()  # host-b's agent, then its workers (torchrun starts them in sessions of their own)
+        for r in first[2:]:
+            os.kill(r["pid"], signal.SIGKILL)
+        survivors = ready(agents[0], 2, timeout=60)
+        assert [(r["rank"], r["node_rank"], r["local_rank"], r["world_size"], r["generation"]) for r in survivors] == [
+            (0, 0, 0, 2, 2), (1, 0, 1, 2, 2)]
+        # Whether the agent heard of the change first (restart 0) or its workers failed
+        # on the dead peers first (restart 1, a re-form that awaits renewals), the next
+        # world is the one without host-b: generation 2 is never a world with the dead.
+        assert all(r["sums"]["GLOBAL"] == 3.0 and r["restart"] in (0, 1) for r in survivors)
+        # the agent started its new workers within the lease TTL + 2 s of the kill
+        assert max(r["started"] for r in survivors) - killed < TTL_S + 2
+
+
+def test_a_bad_endpoint_or_spec_is_one_clear_torchrun_error(tmp_path):
+    """Without the netns: the handler's own errors, through the real torchrun CLI."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"world_size": 3}))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=commctx", "--rdzv-endpoint=127.0.0.1:1",
+            "--rdzv-id=bad", "--nnodes=1", "--nproc-per-node=2", f"--rdzv-conf=spec={spec}", TRAIN]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "commctx: spec.world_size 3 disagrees with world_size 2 (--nnodes max 1 x --nproc-per-node 2)" in done.stderr
+
+
+async def test_worker_assignments_come_with_a_node_join(stub):
+    """One Join with workers=3 answers with each worker's assignment."""
+    response = await stub.Join(pb.JoinRequest(job_id="nodes", spec=pb.JobSpec(world_size=3), node_key="n0",
+                                             address="127.0.0.1", master_port=29500, workers=3), timeout=10)
+    assert [(a.rank, a.local_rank, a.local_world_size) for a in response.worker_assignments] == [(0, 0, 3), (1, 1, 3), (2, 2, 3)]
+    assert response.assignment == response.worker_assignments[0]
+    inter = [[g.ranks.runs[0].start for g in a.groups if g.mode == "INTER_NODE"] for a in response.worker_assignments]
+    assert inter == [[0], [1], [2]]
