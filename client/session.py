@@ -9,7 +9,10 @@ backoff and jitter; the running job is never disturbed and one warning is
 logged per outage. `close` stops and joins it.
 
 Join carries a client-chosen member id, so a Join retried after a broken call
-or a server restart re-attaches instead of joining twice.
+or a server restart re-attaches instead of joining twice. A Join that cannot
+reach the server retries with backoff until its timeout, and says so: a
+warning after UNREACHABLE_WARN_AFTER_S and every UNREACHABLE_WARN_EVERY_S
+after, with the address, why, and how long it goes on trying.
 
 A highly available server is several replicas (`server_addr` a comma-separated
 list, or a name that resolves to several addresses; see transport.Endpoints).
@@ -38,7 +41,8 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import MemberNotFound, RendezvousError, RendezvousTimeout, ServerUnavailable
-from .transport import NOT_LEADER, Endpoints, LeaderStub, Tls, error_from_rpc, leader_hint
+from . import transport
+from .transport import NOT_LEADER, Endpoints, LeaderStub, Tls, error_from_rpc, leader_hint, why_unreachable
 
 log = logging.getLogger("commctx")
 
@@ -100,6 +104,10 @@ class Session:
 
     # -- joining ---------------------------------------------------------------
 
+    def connect(self) -> None:
+        """Starts connecting to the server now, so that `join` finds the connection up."""
+        self._endpoints.connect()
+
     def join(self, request: pb.JoinRequest, timeout_s: float) -> Assignment:
         """Joins and blocks until placed in a world, then starts the session.
 
@@ -120,7 +128,8 @@ class Session:
         self._spare_port = request.master_port
         deadline = time.monotonic() + timeout_s
         attempt = 0
-        warned = False
+        down_since: float | None = None  # since when no try has reached the server
+        next_warning = 0.0
         while True:
             remaining = deadline - time.monotonic()
             request.wait_timeout_ms = max(1, round(remaining * 1000))
@@ -129,9 +138,9 @@ class Session:
             slack_s = min(5.0, 0.5 + remaining * 0.05)
             addr = self._endpoints.address
             try:
-                # One server: wait for it to come up. Several: a dead one must not hold the join.
-                response = self._endpoints.stub.Join(request, timeout=remaining + slack_s,
-                                                     wait_for_ready=not self._endpoints.several)
+                # Not wait_for_ready: a server that is down or not there yet fails the
+                # try at once, so that this loop can say so and retry with backoff.
+                response = self._endpoints.stub.Join(request, timeout=remaining + slack_s)
                 break
             except grpc.RpcError as exc:
                 err, hint = error_from_rpc(exc), leader_hint(exc)
@@ -139,12 +148,19 @@ class Session:
                     self._endpoints.failed(exc)  # to the leader it names, or the next replica
             if err.code not in _TRANSIENT or err.reason == _TIMEOUT:  # the server's own answer: final
                 raise err
-            if time.monotonic() + 0.05 >= deadline:
+            now = time.monotonic()
+            if now + 0.05 >= deadline:
                 raise ServerUnavailable(err.code, f"no answer from rendezvous server {self.server_addr} within {timeout_s:g} s ({err.details})")
-            if not warned and not hint:  # following a hint is no trouble
-                warned = True
-                log.warning("rendezvous server %s: %s; retrying the join", addr, err)
-            time.sleep(min(self._backoff(attempt), max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
+            pause = self._backoff(attempt)
+            if not hint:  # following a leader's hint is no outage
+                if down_since is None:
+                    down_since, next_warning = now, now + transport.UNREACHABLE_WARN_AFTER_S
+                if now >= next_warning and deadline - now >= 0.5:  # about to give up: the error says it
+                    next_warning = now + transport.UNREACHABLE_WARN_EVERY_S
+                    log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s",
+                                addr, now - down_since, why_unreachable(addr) or err.details, deadline - now)
+                pause = min(pause, max(0.01, next_warning - now))  # the warning comes on time
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
             attempt += 1
         self._endpoints.succeeded()
         self._ttl_s = response.lease_ttl_ms / 1000
@@ -281,6 +297,16 @@ class Session:
         with self._lock:
             self._spare_port = port
         self._wake.put(True)
+
+    def settle(self, generation: int) -> None:
+        """This member now runs in `generation` (a node membership read it with
+        `current_world`): news of that generation or older is spent."""
+        with self._lock:
+            if self._next is not None and self._next.generation <= generation:
+                self._next = None
+            if self._change is not None and not self._change.final and self._change.generation < generation:
+                self._change = None
+            self._generation = max(self._generation, generation)
 
     def request_restart(self) -> None:
         """Asks the server for the next generation of the current world with the

@@ -127,12 +127,17 @@ class CommctxRendezvousHandler(RendezvousHandler):
             role=params.get("role") or "", workers=self._nproc, job_secret=launcher.job_secret or "",
         )
         self._timeout = datetime.timedelta(seconds=self._join_timeout)
-        self._session: Session | None = None
+        # Connected now, as torchrun's own c10d handler connects its store when it
+        # is created: the rendezvous then costs one call on a ready connection.
+        self._session = Session(self._server, self._tls, self._token)
+        self._session.connect()
+        self._joined = False
         self._spare: socket.socket | None = None
         self._store: dist.Store | None = None
         self._generation = 0
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix=f"commctx-{self._run_id}-")
+        self.world_file = ""  # this generation's assignments, for the workers (COMMCTX_TORCHRUN_WORLD)
 
     def _spec(self, params: RendezvousParameters) -> pb.JobSpec:
         world = self._max_nodes * self._nproc
@@ -170,7 +175,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
         if self._closed:
             raise RendezvousClosedError(f"commctx: the rendezvous of job {self._run_id!r} is closed")
         try:
-            if self._session is None:
+            if not self._joined:
                 response = self._join()
             else:
                 session = self._session
@@ -202,17 +207,18 @@ class CommctxRendezvousHandler(RendezvousHandler):
         if ifname is not None:
             for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(name, ifname)
-        self._session = Session(self._server, self._tls, self._token)
         self._spare = listen_socket(address)
         self._request.address = address
         self._request.master_port = self._spare.getsockname()[1]
         self._session.join(self._request, self._join_timeout)  # one Join: it answers with every worker's assignment
+        self._joined = True
         return pb.JoinResponse(worker_assignments=self._session.worker_assignments)
 
     def _enter(self, response: pb.JoinResponse) -> RendezvousInfo:
         """Serves (node rank 0) or opens this generation's store, and writes the workers' assignments."""
         first = response.worker_assignments[0]
         self._generation = first.generation
+        self._session.settle(first.generation)  # a change pushed while we asked is spent if this is it
         self._store = None  # the previous generation's store goes (rank 0: its server closes)
         if first.node_rank == 0:
             spare, self._spare = self._spare, None
@@ -228,6 +234,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
         world = pb.JoinResponse(worker_assignments=response.worker_assignments)  # no member id or secret
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(world.SerializeToString())
+        self.world_file = path
         os.environ.update({"COMMCTX_SERVER": self._server, "COMMCTX_JOB_ID": self._run_id, WORLD_ENV: path})
         log.info("commctx: job %s generation %d: node rank %d of %d, ranks %d..%d of %d, master %s:%d",
                  self._run_id, first.generation, first.node_rank, first.num_nodes, first.rank,
@@ -238,25 +245,23 @@ class CommctxRendezvousHandler(RendezvousHandler):
     def is_closed(self) -> bool:
         if self._closed:
             return True
-        change = self._session.world_change if self._session is not None else None
+        change = self._session.world_change
         return change is not None and change.final
 
     def set_closed(self) -> None:
         """Leaves the job: the other nodes' world re-forms without this one, or ends."""
         self._closed = True
-        if self._session is not None:
-            self._session.close(leave=True)
+        self._session.close(leave=True)
 
     def num_nodes_waiting(self) -> int:
         """Positive when the server pushed a change of this world: the agent then
         restarts its workers (next_rendezvous). Read from the session, no RPC."""
-        change = self._session.world_change if self._session is not None else None
+        change = self._session.world_change
         return 1 if change is not None and not change.final and change.generation >= self._generation else 0
 
     def shutdown(self) -> bool:
         self._closed = True
-        if self._session is not None:
-            self._session.close(leave=True)
+        self._session.close(leave=True)
         if self._spare is not None:
             self._spare.close()
             self._spare = None

@@ -10,10 +10,6 @@ others answer every call UNAVAILABLE with reason NOT_LEADER and the leader's
 address (ErrorInfo metadata "leader") when they know it. `Endpoints` holds the
 replicas a client knows and which of them leads.
 
-A Join that cannot reach the server (a wrong address, a server that is down)
-keeps trying until its timeout; meanwhile it logs a warning (logger "commctx")
-after UNREACHABLE_WARN_AFTER_S and every UNREACHABLE_WARN_EVERY_S after,
-naming the address, why it cannot connect and how long it will keep trying.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -44,7 +40,6 @@ DOMAIN = "commctx"
 # The ErrorReason name of a replica that is not the leader. Matched as text: the
 # generated enum of an older checkout may not have it.
 NOT_LEADER = "NOT_LEADER"
-_RENDEZVOUS_TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
 
 _BY_CODE: dict[grpc.StatusCode, type[errors.RendezvousError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
@@ -171,11 +166,10 @@ FAILOVER_OPTIONS = [
 ]
 
 # A Join that has not reached the server for this long logs a warning, and
-# another every UNREACHABLE_WARN_EVERY_S while it still has not (module
-# constants: a test may shorten them).
+# another every UNREACHABLE_WARN_EVERY_S while it still has not (session.py;
+# module constants: a test may shorten them).
 UNREACHABLE_WARN_AFTER_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 30.0
-_WATCH_TICK_S = 1.0  # how often a waiting Join looks at its channel's state
 
 
 class _CallDetails(
@@ -296,68 +290,8 @@ def why_unreachable(address: str, timeout_s: float = 1.0) -> str:
     return "it accepts TCP connections but no gRPC call gets through: check TLS (tls_ca=) and that it is a commctx-server"
 
 
-class _WatchedJoin:
-    """A stub's Join that, while its answer is awaited and its channel is not
-    connected, tells `Endpoints` (which warns when that has lasted; see
-    UNREACHABLE_WARN_AFTER_S). Otherwise the same call."""
-
-    def __init__(self, call: Any, channel: grpc.Channel, endpoints: Endpoints, address: str) -> None:
-        self._call = call
-        self._channel = channel
-        self._endpoints = endpoints
-        self._address = address
-
-    def __getattr__(self, name: str) -> Any:  # future, with_call: unwatched
-        return getattr(self._call, name)
-
-    def __call__(self, request: pb.JoinRequest, timeout: float | None = None, **kwargs: Any) -> pb.JoinResponse:
-        start = time.monotonic()
-        # The join gives up when the server's wait ends (the caller adds slack to the call's deadline).
-        give_up = start + (request.wait_timeout_ms / 1000 if request.wait_timeout_ms else (timeout or 0.0))
-        state: list[grpc.ChannelConnectivity | None] = [None]
-
-        def on_state(s: grpc.ChannelConnectivity) -> None:
-            state[0] = s
-
-        self._channel.subscribe(on_state, try_to_connect=False)
-        try:
-            future = self._call.future(request, timeout=timeout, **kwargs)
-            connected = start  # the call's start, or when its channel was last seen connected
-            try:
-                while True:
-                    now = time.monotonic()
-                    if state[0] is grpc.ChannelConnectivity.READY:
-                        connected = now
-                        self._endpoints.reachable()
-                    elif state[0] is not None:
-                        self._endpoints.unreachable(connected, now, give_up, lambda: why_unreachable(self._address))
-                    try:  # the first state comes from another thread: look again soon
-                        reply = future.result(timeout=self._endpoints.next_check(now) if state[0] is not None else 0.05)
-                    except grpc.FutureTimeoutError:
-                        continue
-                    self._endpoints.reachable()
-                    return reply
-            except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                # Not through: no answer, a server shutting down, or a replica that knows no leader.
-                if (code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not leader_hint(exc)
-                        and error_reason(exc) != _RENDEZVOUS_TIMEOUT):
-                    details = (exc.details() if hasattr(exc, "details") else "") or ""
-                    now = time.monotonic()
-                    self._endpoints.unreachable(now, now, give_up, lambda: _short(details) or why_unreachable(self._address))
-                else:  # the server answered
-                    self._endpoints.reachable()
-                raise
-            except BaseException:  # e.g. KeyboardInterrupt while waiting: do not leave the call behind
-                future.cancel()
-                raise
-        finally:
-            self._channel.unsubscribe(on_state)
-
-
-def _short(details: str, limit: int = 200) -> str:
-    line = details.strip().splitlines()[0] if details.strip() else ""
-    return line if len(line) <= limit else line[:limit] + "..."
+def _ignore(_state: grpc.ChannelConnectivity) -> None:
+    pass
 
 
 class Endpoints:
@@ -403,9 +337,6 @@ class Endpoints:
         self._channels: dict[str, tuple[grpc.Channel, pb_grpc.RendezvousStub]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._down_since: float | None = None  # since when no Join has reached the server (see unreachable)
-        self._next_warning = 0.0
-        self._warned = False  # whether the outage since _down_since was logged
 
     @property
     def address(self) -> str:
@@ -434,10 +365,17 @@ class Endpoints:
             entry = self._channels.get(self._current)
             if entry is None:
                 channel = self._open(self._current)
-                stub = pb_grpc.RendezvousStub(channel)
-                stub.Join = _WatchedJoin(stub.Join, channel, self, self._current)
-                entry = self._channels[self._current] = (channel, stub)
+                entry = self._channels[self._current] = (channel, pb_grpc.RendezvousStub(channel))
             return entry[1]
+
+    def connect(self) -> None:
+        """Opens the current replica's channel and starts connecting it now
+        (without waiting), so that the first call finds it ready."""
+        self.stub  # noqa: B018 - opens the channel
+        with self._lock:
+            channel = self._channels[self._current][0]
+        channel.subscribe(_ignore, try_to_connect=True)
+        channel.unsubscribe(_ignore)
 
     def _open(self, address: str) -> grpc.Channel:
         if self._single and address == self._given[0]:
@@ -451,41 +389,8 @@ class Endpoints:
     def _candidates(self) -> list[str]:
         return self._given + [a for a in self._learned if a not in self._given]
 
-    def unreachable(self, since: float, now: float, give_up: float, why: Callable[[], str]) -> None:
-        """A Join has not reached the server since `since` (its channel is not
-        connected, or the call failed UNAVAILABLE). Once that has lasted
-        UNREACHABLE_WARN_AFTER_S, and every UNREACHABLE_WARN_EVERY_S after, logs
-        a warning naming the address, `why()` and the time left until `give_up`
-        (monotonic, like the others), when the join stops trying."""
-        with self._lock:
-            if self._down_since is None:
-                self._down_since, self._next_warning = since, since + UNREACHABLE_WARN_AFTER_S
-            if now < self._next_warning:
-                return
-            self._next_warning = now + UNREACHABLE_WARN_EVERY_S
-            if give_up - now < 0.5:  # about to give up: the error says it
-                return
-            down_for, self._warned = now - self._down_since, True
-        log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s",
-                    self.server_addr, down_for, why(), give_up - now)
-
-    def reachable(self) -> None:
-        """The server answered or a Join's channel is connected: an outage, if any, is over."""
-        with self._lock:
-            down_since, warned, self._down_since, self._warned = self._down_since, self._warned, None, False
-        if down_since is not None and warned:
-            log.info("reached the rendezvous server at %s after %.0f s", self.server_addr, time.monotonic() - down_since)
-
-    def next_check(self, now: float) -> float:
-        """Seconds a waiting Join may wait before it looks at its channel again."""
-        with self._lock:
-            if self._down_since is None:
-                return _WATCH_TICK_S
-            return max(0.01, min(_WATCH_TICK_S, self._next_warning - now))
-
     def succeeded(self) -> None:
         """The current replica answered: it is the leader, and calls keep going there."""
-        self.reachable()
         with self._lock:
             old, self._leader = self._leader, self._current
         if old and old != self._leader:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -83,6 +84,34 @@ def test_a_job_below_its_minimum_is_a_final_world_change():
         assert "expired" in ended["reason"] and "fewer than the minimum of 2" in ended["reason"], ended
         assert ended["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: job 'small'"), ended
         assert ended["reason"] in ended["rejoin_error"]
+
+
+def test_an_ended_job_and_a_lost_lease_are_final_world_changes():
+    """The same event for the two other ways a worker's job cannot go on: the
+    other worker leaves (the job ENDS below its minimum), and this worker's own
+    lease is lost (stopped for longer than the TTL, then resumed)."""
+    spec = {"elastic": {"min_size": 2, "last_call_ms": 10_000}}
+    server = Server("127.0.0.1", "--lease-ttl-s", str(TTL))
+    workers = [worker(server.address, job, 2, node_key="n", spec=spec, name=f"{job}{i}") for job in ("left", "lost")
+               for i in range(2)]
+    with running([server, *workers]):
+        assert sorted(w.event(120)["rank"] for w in workers) == [0, 0, 1, 1]
+        left, stays, lost, other = workers
+        left.send("destroy")  # a graceful Leave: one of two remains, below the minimum
+        assert left.event(60)["event"] == "destroyed"
+        stays.send("ended")
+        ended = stays.event(TTL + 30)
+        assert (ended["final"], ended["same"], ended["callbacks"]) == (True, True, 1), ended
+        assert "left" in ended["reason"] and "fewer than the minimum of 2" in ended["reason"], ended
+        assert ended["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: job 'left'"), ended
+        os.killpg(lost.popen.pid, signal.SIGSTOP)  # no renewals: its lease runs out
+        time.sleep(TTL * 2)
+        os.killpg(lost.popen.pid, signal.SIGCONT)
+        lost.send("ended")
+        gone = lost.event(TTL + 30)
+        assert (gone["final"], gone["same"], gone["callbacks"]) == (True, True, 1), gone
+        assert "expired" in gone["reason"], gone
+        assert gone["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: "), gone
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -117,3 +118,67 @@ async def test_worker_assignments_come_with_a_node_join(stub):
     assert response.assignment == response.worker_assignments[0]
     inter = [[g.ranks.runs[0].start for g in a.groups if g.mode == "INTER_NODE"] for a in response.worker_assignments]
     assert inter == [[0], [1], [2]]
+
+
+def handlers(server: str, job: str, nnodes: tuple[int, int], keys=("a", "b"), **conf) -> list:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    return [get_rendezvous_handler(RendezvousParameters(
+        backend="commctx", endpoint=server, run_id=job, min_nodes=nnodes[0], max_nodes=nnodes[1], local_addr="127.0.0.1",
+        nproc_per_node=2, node_key=key, join_timeout=30, **conf)) for key in keys]
+
+
+def rendezvous_all(hs: list) -> list:
+    """next_rendezvous() of every handler at once: (node rank, nodes, master port) by handler."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(hs)) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), hs))
+    return [(i.rank, i.world_size, i.bootstrap_store_info.master_port) for i in infos]
+
+
+def test_the_handler_through_torchs_registry_restarts_and_shrinks():
+    """Two agents' handlers in this process (no torchrun, no netns): the world,
+    a restart after a worker failure (a fresh generation for both, a new store
+    port), and a node leaving an elastic job."""
+    server = Server("127.0.0.1", f"--lease-ttl-s={TTL_S}")
+    hs = handlers(server.address, "h", (1, 2), last_call_timeout=2)
+    with running([server]):
+        try:
+            first = rendezvous_all(hs)
+            assert [r[:2] for r in first] == [(0, 2), (1, 2)] and first[0][2] == first[1][2]
+            world = written_world(hs[1])
+            assert [(a.rank, a.local_rank, a.generation) for a in world.worker_assignments] == [(2, 0, 1), (3, 1, 1)]
+            assert [h.num_nodes_waiting() for h in hs] == [0, 0]
+            # b's worker failed: its agent rendezvous again; a is told (a waiting node) and follows
+            restarted = []
+            b = threading.Thread(target=lambda: restarted.append(hs[1].next_rendezvous()))
+            b.start()
+            wait_for(lambda: hs[0].num_nodes_waiting() > 0, "a hears of b's restart")
+            info = hs[0].next_rendezvous()
+            b.join(30)
+            assert (info.rank, info.world_size, restarted[0].rank) == (0, 2, 1)
+            assert info.bootstrap_store_info.master_port != first[0][2]  # a fresh store
+            assert [a.generation for a in written_world(hs[0]).worker_assignments] == [2, 2]
+            hs[1].shutdown()  # b leaves: a's world shrinks to its own node
+            wait_for(lambda: hs[0].num_nodes_waiting() > 0, "a hears that b left")
+            (alone,) = rendezvous_all(hs[:1])
+            assert alone[:2] == (0, 1)
+            assert [(a.rank, a.world_size, a.generation) for a in written_world(hs[0]).worker_assignments] == [(0, 2, 3), (1, 2, 3)]
+        finally:
+            for h in hs:
+                h.shutdown()
+
+
+def written_world(handler) -> pb.JoinResponse:
+    """The assignments the handler wrote for its workers (COMMCTX_TORCHRUN_WORLD)."""
+    with open(handler.world_file, "rb") as f:
+        return pb.JoinResponse.FromString(f.read())
+
+
+def wait_for(condition, what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.05)
