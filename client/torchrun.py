@@ -67,7 +67,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from commctx.v1 import rendezvous_pb2 as pb
 
-from . import _torch
+from . import _torch, errors
 from .errors import CommContextError, MemberNotFound, RendezvousTimeout, ServerUnavailable
 from .launched import WORLD_ENV
 from .lifecycle import LauncherEnv, job_spec_of
@@ -191,7 +191,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError(f"commctx: {exc.details}") from None
         except ServerUnavailable as exc:
             raise RendezvousConnectionError(f"commctx: {exc.details}") from None
-        except CommContextError as exc:
+        except (CommContextError, errors.RendezvousError) as exc:  # e.g. a conflicting spec, a sealed job
             raise RendezvousError(f"commctx: {exc}") from None
         return self._enter(response)
 
