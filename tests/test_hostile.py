@@ -18,6 +18,8 @@ that this list is the whole threat model's checklist:
 | an answered Leave comes back after kill -9 | here |
 | a full disk: jobs formed, waiters never told, health SERVING | test_faults.py::test_a_full_disk_refuses_answers_it_cannot_make_durable |
 | a garbage state database stops the server with a traceback | here |
+| one node Join standing for a million workers (a reply of a million assignments) | here |
+| a restart request for another job's world, or a stale generation | test_machine.py::test_a_launcher_restarting_its_workers_re_forms_the_world_once (a member restarts only its own job, once per generation) |
 """
 
 from __future__ import annotations
@@ -208,3 +210,15 @@ def test_a_garbage_state_database_stops_the_server_with_one_line(tmp_path):
     assert run.returncode == 1
     assert run.stderr.splitlines() == [
         f"commctx-server: cannot use the state database {tmp_path / 'commctx.sqlite3'}: file is not a database"]
+
+
+async def test_a_node_join_of_a_million_workers_is_refused(stub):
+    request = pb.JoinRequest(job_id="huge-node", spec=pb.JobSpec(world_size=1 << 20), node_key="n0", address="127.0.0.1",
+                             master_port=29500, workers=1 << 20)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.Join(request, timeout=10)
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "workers 1048576 is out of range 1..1024" in raised.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:  # nothing was registered
+        await stub.DescribeJob(pb.DescribeJobRequest(job_id="huge-node"), timeout=10)
+    assert raised.value.code() is grpc.StatusCode.NOT_FOUND

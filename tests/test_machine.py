@@ -729,8 +729,10 @@ def test_a_node_membership_takes_its_node_alone_and_counts_its_workers(rdzv):
 
 def test_node_membership_parameters_are_checked():
     spec = JobSpec.build(4)
-    with pytest.raises(InvalidArgument, match=r"workers 5 is out of range 1..world_size \(4\)"):
+    with pytest.raises(InvalidArgument, match=r"workers 5 is out of range 1..4 \(world_size 4; "):
         node(spec, "a", 5)
+    with pytest.raises(InvalidArgument, match="workers 1025 is out of range 1..1024 .* holds at most 1024"):
+        node(JobSpec.build(1 << 20), "a", 1025)  # one Join's answer carries each worker's assignment
     with pytest.raises(InvalidArgument, match="local_rank 1 cannot be given with workers 2"):
         node(spec, "a", 2, local_rank=1)
 

@@ -22,6 +22,7 @@ JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
 CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
 MEMBER_SECRET = re.compile(r"[0-9a-f]{32,128}")
+MAX_NODE_WORKERS = 1024  # workers of one node membership: its Join answers with each one's assignment
 
 
 def check_job_id(value: str) -> str:
@@ -136,8 +137,9 @@ class JoinParams(NamedTuple):
             raise InvalidArgument(f"local_rank {local_rank} is not below world_size {spec.world_size}")
         if node_rank is not None and node_rank >= spec.world_size:
             raise InvalidArgument(f"node_rank {node_rank} is not below world_size {spec.world_size}")
-        if not 1 <= workers <= spec.world_size:
-            raise InvalidArgument(f"workers {workers} is out of range 1..world_size ({spec.world_size})")
+        if not 1 <= workers <= min(spec.world_size, MAX_NODE_WORKERS):
+            raise InvalidArgument(f"workers {workers} is out of range 1..{min(spec.world_size, MAX_NODE_WORKERS)} "
+                                  f"(world_size {spec.world_size}; a node membership holds at most {MAX_NODE_WORKERS})")
         if workers > 1 and local_rank is not None:
             raise InvalidArgument(f"local_rank {local_rank} cannot be given with workers {workers}: "
                                   f"a node membership holds local ranks 0..{workers - 1}")
