@@ -86,6 +86,7 @@ class Session:
         self.assignment: Assignment | None = None
         self.lease_error: RendezvousError | None = None  # set when the server says the member is gone
         self._job_id = ""
+        self._job_secret = ""
         self._ttl_s = 10.0
         self._ttl_known = False
         self._lock = threading.Condition()
@@ -125,6 +126,7 @@ class Session:
         request.member_id = self.member_id
         request.member_secret = self._secret
         self._job_id = request.job_id
+        self._job_secret = request.job_secret  # a sealed job's: Leave carries it
         self._spare_port = request.master_port
         deadline = time.monotonic() + timeout_s
         attempt = 0
@@ -366,7 +368,8 @@ class Session:
         if leave and self.assignment is not None:
             try:  # to the leader, following a hint if the leader moved
                 LeaderStub(self._endpoints).Leave(
-                    pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret),
+                    pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret,
+                                    job_secret=self._job_secret),
                     timeout=leave_timeout_s)
             except grpc.RpcError as exc:
                 log.debug("leave failed: %s", error_from_rpc(exc))

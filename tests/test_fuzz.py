@@ -83,7 +83,7 @@ EXPECTED: dict[str, frozenset[Code]] = {
                        Code.PERMISSION_DENIED, Code.NOT_FOUND, Code.DEADLINE_EXCEEDED}),
     "Session": frozenset({Code.OK, Code.INVALID_ARGUMENT}),  # an unknown member is told `gone` on an OK stream
     "KeepAlive": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
-    "Leave": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND}),
+    "Leave": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED}),
     "DescribeJob": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED}),
     "ListJobs": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
 }
@@ -596,7 +596,9 @@ class Fuzzer:
     def leave(self) -> pb.LeaveRequest:
         r, m = self.rng, self.owned()
         if m is not None:
-            return pb.LeaveRequest(job_id=m.job_id, member_id=m.member_id, member_secret=m.secret if r.random() < 0.6 else self.member_secret())
+            known = self.jobs.get(m.job_id)
+            return pb.LeaveRequest(job_id=m.job_id, member_id=m.member_id, member_secret=m.secret if r.random() < 0.6 else self.member_secret(),
+                                   job_secret=known[1] if known is not None and r.random() < 0.8 else self.job_secret())
         if r.random() < 0.2:
             return pb.LeaveRequest(job_id=HEALTHY, member_id=r.choice(self.healthy_ids), member_secret=self.member_secret())
         return pb.LeaveRequest(job_id=self.job_id(), member_id=self.member_id(), member_secret=self.member_secret())

@@ -113,8 +113,8 @@ async def test_secrets_and_tokens_never_reach_the_log(tmp_path, caplog):
             await rejected(stub.KeepAlive(pb.KeepAliveRequest(job_id="logged", member_id=joined.member_id,
                                                               member_secret="f" * 32), metadata=auth))
             await rejected(stub.ListJobs(pb.ListJobsRequest(), metadata=(("authorization", "Bearer tok-wrong-555"),)))
-            await stub.Leave(pb.LeaveRequest(job_id="logged", member_id=joined.member_id, member_secret=joined.member_secret),
-                             metadata=auth)
+            await stub.Leave(pb.LeaveRequest(job_id="logged", member_id=joined.member_id, member_secret=joined.member_secret,
+                                             job_secret=JOB_SECRET), metadata=auth)
     finally:
         await s.stop(0)
     text = caplog.text + "".join(str(getattr(r, "fields", "")) for r in caplog.records)

@@ -66,6 +66,16 @@ async def test_a_sealed_job_admits_and_shows_itself_only_to_its_secret(stub):
     listed = {j.job_id: j for j in (await stub.ListJobs(pb.ListJobsRequest())).jobs}
     assert listed["ppo"] == pb.JobDescription(job_id="ppo", state=pb.JobDescription.FORMED)
     assert (listed["open"].num_nodes, listed["open"].spec.world_size) == (1, 1)
+    # Leave: the member's own secret is not enough for a sealed job; with the job's it goes.
+    leave = pb.LeaveRequest(job_id="ppo", member_id=second.member_id, member_secret=second.member_secret)
+    for secret in ("", "team-b:0000000000"):
+        leave.job_secret = secret
+        err = await refused(stub.Leave(leave))
+        assert (err.code(), error_reason(err)) == (Code.PERMISSION_DENIED, "JOB_SEALED")
+        assert err.details() == "job 'ppo' is sealed: this leave's job_secret is missing or wrong"
+    leave.job_secret = SECRET
+    await stub.Leave(leave)
+    assert (await stub.DescribeJob(pb.DescribeJobRequest(job_id="ppo", job_secret=SECRET))).joined == 1
 
 
 async def test_an_admin_token_sees_sealed_jobs_in_full(tmp_path):

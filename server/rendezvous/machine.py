@@ -622,13 +622,17 @@ class Rendezvous:
         current, actions = self.renew(job_id, member_id, generation)
         return self.lease_ttl_s, current, actions
 
-    def leave(self, job_id: str, member_id: str, secret: str | None = None) -> Actions:
-        """Removes a member, given its secret (None: not checked).
+    def leave(self, job_id: str, member_id: str, secret: str | None = None, job_secret: str | None = None) -> Actions:
+        """Removes a member, given its secret and, for a sealed job, the job's
+        (None: not checked).
 
         Raises:
+            PermissionDenied: the job is sealed and `job_secret` does not open it.
             NotFound: unknown job or member, or not its secret.
         """
         job = self._job(job_id)
+        if job_secret is not None and not job_secret_matches(job.seal, job_secret):
+            raise PermissionDenied(f"job {job_id!r} is sealed: this leave's job_secret is missing or wrong")
         self._member(job, member_id, secret)
         actions = Actions()
         self._remove(job, member_id, "left", actions)

@@ -213,7 +213,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         try:
-            actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id), request.member_secret)
+            actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id), request.member_secret,
+                                          request.job_secret)
             await self._executor.carry_out(actions)  # answered once the departure is durable
         except Exception as exc:
             await self._abort(context, "Leave", exc)

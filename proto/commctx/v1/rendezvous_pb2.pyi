@@ -304,14 +304,16 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "member_secret")
+    __slots__ = ("job_id", "member_id", "member_secret", "job_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     member_secret: str
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ...) -> None: ...
+    job_secret: str
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
