@@ -824,3 +824,14 @@ def test_a_restart_leaves_out_a_node_that_does_not_renew(rdzv, clock):
     actions, _ = rdzv.expire_due()
     (event,) = pushed(actions, sink_a)
     assert isinstance(event, NewWorld) and event.generation == 3 and event.plan.world_size == 2
+
+
+def test_describe_pages_the_world_then_the_waiting_nodes(rdzv):
+    spec = elastic(9, 3, last_call_ms=0, layout={"tp": 3})  # nodes of 2 workers: 6 form, the fourth node waits
+    for key in ("c", "a", "d", "b"):
+        join(rdzv, node(spec, key, 2))
+    assert rdzv.describe("job").state is JobState.FORMED
+    pages = [[(n.node_key, n.node_rank) for n in rdzv.describe("job", first_node=i, max_nodes=2).nodes] for i in (0, 2, 4)]
+    assert pages == [[("a", 0), ("c", 1)], [("d", 2), ("b", None)], []]
+    assert [n.node_key for n in rdzv.describe("job", first_node=3, max_nodes=5).nodes] == ["b"]
+    assert [n.node_key for n in rdzv.describe("job").nodes] == ["a", "c", "d", "b"]

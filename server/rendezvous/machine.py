@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import itertools
 import logging
 import math
 import os
@@ -828,24 +829,33 @@ class Rendezvous:
         return view
 
     @staticmethod
-    def _node_order(job: Job) -> tuple[list[str], dict[str, int]]:
-        """The job's node keys in DescribeJob's order (the formed world's in node-rank
-        order, then the rest in the order they joined), and the formed world's node
-        ranks. Linear, and cached until the job changes."""
-        key = (job.version, job.generation, job.state)
-        if job.node_order is None or job.node_order[0] != key:
-            ranked = {n.node_key: n.node_rank for n in job.plan.nodes} if job.state is JobState.FORMED else {}
-            order = [k for k in ranked if k in job.nodes] + [k for k in job.nodes if k not in ranked]
-            job.node_order = (key, order, ranked)
-        return job.node_order[1], job.node_order[2]
+    def _node_page(job: Job, first: int, count: int | None) -> list[tuple[str, int | None]]:
+        """Nodes [first, first + count) of the job's DescribeJob order, with their
+        node ranks: the formed world's in node-rank order, then the others in the
+        order they joined. Costs O(first + count): the first page of a job of
+        100,000 nodes is as cheap after a change as before it."""
+        stop = None if count is None else first + count
+        if job.state is not JobState.FORMED:
+            return [(k, job.nodes[k].node_rank) for k in itertools.islice(job.nodes, first, stop)]
+        present = job.nodes
+        ranked = ((n.node_key, n.node_rank) for n in job.plan.nodes if n.node_key in present)
+        page = list(itertools.islice(ranked, first, stop))
+        if stop is not None and len(page) == count:
+            return page
+        # Past the world's nodes: those waiting for the next generation, in join order.
+        if job.node_order is None or job.node_order[0] != job.generation:
+            job.node_order = (job.generation, frozenset(n.node_key for n in job.plan.nodes))
+        in_plan = job.node_order[1]
+        skip = max(0, first - sum(1 for n in job.plan.nodes if n.node_key in present))
+        waiting = (k for k in present if k not in in_plan)
+        return page + [(k, None) for k in itertools.islice(waiting, skip, None if stop is None else skip + count - len(page))]
 
     def _view(self, job: Job, first_node: int = 0, max_nodes: int | None = None) -> JobView:
         formed = job.state is JobState.FORMED
-        order, ranked = self._node_order(job) if max_nodes != 0 else ([], {})  # ListJobs: no nodes, no ordering
+        page = self._node_page(job, first_node, max_nodes) if max_nodes != 0 else []  # ListJobs: no nodes
         nodes = []
-        for k in order[first_node:None if max_nodes is None else first_node + max_nodes]:
+        for k, rank in page:
             node = job.nodes[k]
-            rank = ranked.get(k) if formed else node.node_rank
             nodes.append(NodeView(k, node.address, node.workers, rank, tuple(sorted((r, c) for r, c in node.roles.items() if c))))
         if job.state in (JobState.FAILED, JobState.ENDED):
             reason = job.reason

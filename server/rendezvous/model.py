@@ -331,7 +331,7 @@ class Job:
         self.version = 0  # bumped whenever who is in the job, or a member's port, changes
         self.planning = -1  # the version a plan is being computed for off the loop, or -1
         self.seal = ""  # digest of the job secret ("": an open job)
-        self.node_order: tuple[tuple[int, int, JobState], list[str], dict[str, int]] | None = None  # Rendezvous._node_order
+        self.node_order: tuple[int, frozenset[str]] | None = None  # the node keys of `plan`, by generation (Rendezvous._node_page)
 
     def in_world(self, member_id: str) -> bool:
         """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""
