@@ -628,3 +628,33 @@ async def test_a_retried_join_takes_over_from_the_call_it_retries(stub):
     placed = await second
     assert (placed.member_id, placed.member_secret) == (mid, secret)
     assert {placed.assignment.rank, other.assignment.rank} == {0, 1}
+
+
+async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the_loop(monkeypatch):
+    import threading
+
+    from commctx.server.errors import InvalidArgument
+    from commctx.server.rendezvous.model import Limits
+    from commctx.server.rpc import codec
+
+    threads = []
+    parse = codec._parse_spec
+    monkeypatch.setattr(codec, "_parse_spec", lambda wire: threads.append(threading.current_thread()) or parse(wire))
+    cache, limits = codec.SpecCache(), Limits()
+    small = pb.JoinRequest(spec=pb.JobSpec(world_size=2))
+    big = pb.JoinRequest(spec=pb.JobSpec(world_size=1024))
+    big.spec.groups.extend(pb.GroupRule(mode=f"G{i}", named=pb.NamedGroups(groups=[pb.RankList(ranks=[i])])) for i in range(300))
+    assert big.spec.ByteSize() > codec.SpecCache.INLINE_BYTES
+    assert (await cache.spec_of(small, limits)).world_size == 2
+    assert len((await cache.spec_of(big, limits)).rules) == 300
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()  # the big one in a worker
+    await cache.spec_of(big, limits)
+    assert len(threads) == 2  # the second time from the cache
+    bad = pb.JoinRequest(spec=pb.JobSpec(world_size=2, cpu_twins=["NOPE"]))
+    for _ in range(2):
+        with pytest.raises(InvalidArgument):
+            await cache.spec_of(bad, limits)
+    assert len(threads) == 4 and len(cache._specs) == 2  # a rejected spec is parsed each time, never kept
+    for n in range(3, 3 + codec.SpecCache.SIZE):
+        await cache.spec_of(pb.JoinRequest(spec=pb.JobSpec(world_size=n)), limits)
+    assert len(cache._specs) == codec.SpecCache.SIZE

@@ -179,31 +179,39 @@ class Router(pb_grpc.RendezvousServicer):
     def __init__(self, server: RendezvousServer) -> None:
         self._server = server
 
-    async def _servicer(self, context: grpc.aio.ServicerContext, method: str) -> RendezvousServicer:
+    def _servicer(self, context: grpc.aio.ServicerContext, method: str) -> RendezvousServicer | None:
+        """The term's servicer; None once the call is answered NOT_LEADER (return None then)."""
         term = self._server.term
         if term is None:
             status = codec.error_status(self._server.not_leader())
             self._server.telemetry.rpc_error(method, status.code.name)
-            await context.abort(status.code, status.details, status.trailing_metadata)
+            codec.answer_error(context, status)
+            return None
         return term.servicer
 
     async def Join(self, request, context):
-        return await (await self._servicer(context, "Join")).Join(request, context)
+        servicer = self._servicer(context, "Join")
+        return None if servicer is None else await servicer.Join(request, context)
 
     async def Session(self, requests, context):
-        return await (await self._servicer(context, "Session")).Session(requests, context)
+        servicer = self._servicer(context, "Session")
+        return None if servicer is None else await servicer.Session(requests, context)
 
     async def KeepAlive(self, request, context):
-        return await (await self._servicer(context, "KeepAlive")).KeepAlive(request, context)
+        servicer = self._servicer(context, "KeepAlive")
+        return None if servicer is None else await servicer.KeepAlive(request, context)
 
     async def Leave(self, request, context):
-        return await (await self._servicer(context, "Leave")).Leave(request, context)
+        servicer = self._servicer(context, "Leave")
+        return None if servicer is None else await servicer.Leave(request, context)
 
     async def DescribeJob(self, request, context):
-        return await (await self._servicer(context, "DescribeJob")).DescribeJob(request, context)
+        servicer = self._servicer(context, "DescribeJob")
+        return None if servicer is None else await servicer.DescribeJob(request, context)
 
     async def ListJobs(self, request, context):
-        return await (await self._servicer(context, "ListJobs")).ListJobs(request, context)
+        servicer = self._servicer(context, "ListJobs")
+        return None if servicer is None else await servicer.ListJobs(request, context)
 
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
@@ -238,7 +246,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
             if isinstance(request, codec.Undecodable):
                 status = codec.error_status(request.error())
                 self._rpc_error(method, status.code.name)
-                await context.abort(status.code, status.details, status.trailing_metadata)
+                codec.answer_error(context, status)
+                return None
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=parse, response_serializer=handler.response_serializer)

@@ -96,7 +96,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
         async def deny(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
             self._rpc_error(method, status.code.name)
-            await context.abort(status.code, status.details, status.trailing_metadata)
+            codec.answer_error(context, status)
 
         kinds = {
             (False, False): grpc.unary_unary_rpc_method_handler,

@@ -41,30 +41,35 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._executor = executor
         self._waiters = waiters
         self._rpc_error = rpc_error
+        self._specs = codec.SpecCache()
         self.draining = False
 
-    async def _abort(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+        """Answers the call with `exc`'s status; the handler then returns None
+        (codec.answer_error: no context.abort, and no exception kept in a local,
+        where its traceback would hold the frame: nothing left for the collector)."""
         status = codec.error_status(exc)
         self._rpc_error(method, status.code.name)
-        await context.abort(status.code, status.details, status.trailing_metadata)
+        codec.answer_error(context, status)
 
-    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], T]) -> T:
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], T]) -> T | None:
         try:
             return fn()
         except Exception as exc:  # every failure leaves through the status table
-            error = exc
-        await self._abort(context, method, error)
-        raise AssertionError("unreachable: abort raises")
+            self._fail(context, method, exc)
+            return None
 
-    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse | None:
         try:
             if self.draining:
                 raise Unavailable("the server is shutting down; join another rendezvous server or retry")
             secret = request.member_secret or os.urandom(16).hex()
-            params = codec.join_params(request, secret, self._machine.limits)
+            spec = await self._specs.spec_of(request, self._machine.limits)
+            params = codec.join_params(request, spec, secret)
             joined, actions, placed = self._machine.join(params)
         except Exception as exc:
-            await self._abort(context, "Join", exc)
+            self._fail(context, "Join", exc)
+            return None
         job_id, member_id = params.job_id, joined.member_id
         longest = self._machine.limits.max_join_wait_s  # no Join is held longer, whatever it asks
         timeout = min(request.wait_timeout_ms / 1000, longest) if request.wait_timeout_ms else longest
@@ -98,7 +103,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             await self._executor.carry_out(self._stop_waiting(job_id, member_id, waiter))
         except Unavailable as exc:
             error = exc
-        await self._abort(context, "Join", error)
+        self._fail(context, "Join", error)
+        del error  # its traceback holds this frame, which would hold it: no cycle
+        return None
 
     def _stop_waiting(self, job_id: str, member_id: str, waiter: asyncio.Future | None) -> Actions:
         """Ends this call's wait; withdraws the member unless it was placed or a
@@ -124,7 +131,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> None:
         limit = self._machine.limits.max_streams
         if self._streams >= limit:
-            await self._abort(context, "Session", LimitExceeded(
+            self._fail(context, "Session", LimitExceeded(
                 f"this server holds its maximum of {limit} session streams (--max-streams); retry later"))
             return
         self._streams += 1
@@ -141,13 +148,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         try:  # a stream that never names its member would be held forever
             first = await asyncio.wait_for(context.read(), ttl)
         except asyncio.TimeoutError:
-            await self._abort(context, "Session", WaitTimeout(
+            self._fail(context, "Session", WaitTimeout(
                 f"no SessionRequest within the lease TTL ({ttl:g} s): a session starts by naming its member"))
             return
         if first is grpc.aio.EOF:
             return
         if isinstance(first, codec.Undecodable):
-            await self._abort(context, "Session", first.error())
+            self._fail(context, "Session", first.error())
             return
         sink: asyncio.Queue = asyncio.Queue()
         try:
@@ -158,7 +165,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             await context.write(pb.SessionEvent(gone=str(exc)))
             return
         except Exception as exc:
-            await self._abort(context, "Session", exc)
+            self._fail(context, "Session", exc)
             return
         for event in missed:
             sink.put_nowait(event)
@@ -172,7 +179,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 if event is None:  # the reader saw the client finish
                     return
                 if isinstance(event, Exception):  # close(): this server stopped serving
-                    await self._abort(context, "Session", event)
+                    self._fail(context, "Session", event)
                     return
                 message = codec.session_event(event, member_id)
                 if message is not None:
@@ -202,7 +209,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 sink.put_nowait(Gone(str(exc)))
                 return
 
-    async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse | None:
         def renew() -> pb.KeepAliveResponse:
             ttl, generation, actions = self._machine.keep_alive(
                 check_job_id(request.job_id), check_member_id(request.member_id), request.generation, request.member_secret)
@@ -211,16 +218,17 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
         return await self._call(context, "KeepAlive", renew)
 
-    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse | None:
         try:
             actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id), request.member_secret,
                                           request.job_secret)
             await self._executor.carry_out(actions)  # answered once the departure is durable
         except Exception as exc:
-            await self._abort(context, "Leave", exc)
+            self._fail(context, "Leave", exc)
+            return None
         return pb.LeaveResponse()
 
-    async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription:
+    async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription | None:
         def describe() -> pb.JobDescription:
             size = request.node_page_size or NODE_PAGE_SIZE
             if size > MAX_NODE_PAGE_SIZE:
@@ -247,7 +255,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
         return await self._call(context, "DescribeJob", describe)
 
-    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse | None:
         admin = self._callers is not None and self._callers.role(context.invocation_metadata()) == ADMIN
 
         def jobs() -> pb.ListJobsResponse:
