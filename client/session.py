@@ -253,7 +253,9 @@ class Session:
             self._changed(WorldChange(self._generation, a.reason))  # unless world_changed said so already
         elif kind == "gone":
             if not self._stop.is_set():  # no news while this worker is leaving anyway
-                log.warning("membership of %s in job %r is over: %s", self.member_id, self._job_id, event.gone)
+                # A job whose members are leaving (it finished) is no trouble: INFO, not WARNING.
+                log.log(logging.INFO if event.job_ended else logging.WARNING,
+                        "membership of %s in job %r is over: %s", self.member_id, self._job_id, event.gone)
                 self._changed(WorldChange(self._generation, event.gone, final=True))  # first: waiters wake to it
             with self._lock:
                 self.lease_error = MemberNotFound("NOT_FOUND", event.gone)

@@ -289,3 +289,20 @@ def test_job_spec_from_a_dict():
         job_spec_of({"world_size": 8}, 4)
     with pytest.raises(ValueError, match="spec is not a JobSpec"):
         job_spec_of({"layout": {"tq": 2}}, 4)
+
+
+def test_a_finished_job_is_no_warning_a_failed_one_is(caplog):
+    import logging
+
+    from commctx.session import Session
+
+    caplog.set_level(logging.INFO, logger="commctx")
+    for ended, level in ((True, logging.INFO), (False, logging.WARNING)):
+        session = Session("127.0.0.1:1")
+        try:
+            assert session._handle(pb.SessionEvent(gone="job 'j' cannot continue: ...", job_ended=ended))  # noqa: SLF001
+        finally:
+            session.close(leave=False)
+        (record,) = [r for r in caplog.records if "is over" in r.getMessage()]
+        assert record.levelno == level and session.world_change.final
+        caplog.clear()

@@ -498,6 +498,7 @@ def test_below_the_minimum_survivors_are_told_the_job_cannot_continue(rdzv, cloc
     actions, _ = rdzv.expire_due()
     (gone,) = pushed(actions, sink)
     assert isinstance(gone, Gone) and "cannot continue" in gone.reason and "fewer than the minimum of 2" in gone.reason
+    assert not gone.ended  # a failure
     assert rdzv.describe("job").state is JobState.FAILED
     with pytest.raises(Conflict, match="cannot form"):
         rdzv.join(params(spec))
@@ -510,7 +511,8 @@ def test_a_graceful_leave_ends_a_fixed_job_without_failing_it(rdzv):
     sink = sessions(rdzv, [b])[b]
     actions = rdzv.leave("job", a)
     assert rdzv.describe("job").state is JobState.ENDED
-    assert "cannot continue" in pushed(actions, sink)[0].reason
+    (gone,) = pushed(actions, sink)
+    assert "cannot continue" in gone.reason and gone.ended  # the job finished: the client logs it at INFO
     assert [n.event for n in actions.notes] == ["removed", "ended"]
     rdzv.leave("job", b)
     assert rdzv.job_ids() == []  # no tombstone: nothing failed

@@ -517,7 +517,7 @@ class Rendezvous:
         job.state, job.reason, job.suspects = state, reason, set()
         actions.notes.append(Note("failed" if state is JobState.FAILED else "ended", {"job": job.job_id, "reason": reason}))
         actions.writes.append(PutJob(self._record(job)))
-        gone = Gone(f"job {job.job_id!r} {verb}: {reason}")
+        gone = Gone(f"job {job.job_id!r} {verb}: {reason}", state is JobState.ENDED)
         actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
         actions.wakes.append((job.job_id, JobStopped(f"job {job.job_id!r} cannot form: {reason}")))
 

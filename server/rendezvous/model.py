@@ -215,6 +215,7 @@ class Gone(NamedTuple):
     """The member is gone, or its job cannot continue. Final."""
 
     reason: str
+    ended: bool = False  # the job ended because members left (it finished), not a failure
 
 
 SessionEvent = WorldChange | NewWorld | Gone

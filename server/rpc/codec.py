@@ -244,7 +244,7 @@ def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | None
     if isinstance(event, WorldChange):
         return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason))
     if isinstance(event, Gone):
-        return pb.SessionEvent(gone=event.reason)
+        return pb.SessionEvent(gone=event.reason, job_ended=event.ended)
     raise TypeError(f"not a session event: {elide(event)}")
 
 

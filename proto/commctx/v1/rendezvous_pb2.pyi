@@ -264,16 +264,18 @@ class SessionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone")
+    __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone", "job_ended")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     WORLD_CHANGED_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     world_changed: WorldChange
     assignment: Assignment
     gone: str
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ...) -> None: ...
+    job_ended: bool
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ..., job_ended: _Optional[bool] = ...) -> None: ...
 
 class WorldChange(_message.Message):
     __slots__ = ("generation", "reason")
