@@ -10,7 +10,8 @@ of the two numbers) until the last agent had the server's answer, before it
 opened the store: c10d's agents open their store connection when the handler
 is created, before the timed window, while commctx's agents can open theirs
 only once the server has said where rank 0 serves it. In brackets, the
-server's own time from the first node's Join to the world formed (its log).
+server's own time from the first node's Join to the world formed (its log),
+and the CPU seconds the server used in the whole run (sessions included).
 The ratio is c10d's time over commctx's first number. commctx: one node RPC per agent
 carrying --nproc-per-node workers, against `commctx-server` with its default
 SQLite store, unpinned. c10d: the agents share one TCPStore served by this
@@ -33,6 +34,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from harness import cpu_s
 
 PROCS = 4
 
@@ -126,6 +129,7 @@ def measure(backend: str, nodes: int, nproc: int, limit: float) -> str:
             if not json.loads(p.stdout.readline() or "{}").get("ready"):
                 return "load process failed to start"
         start_at = time.time() + 1.0
+        cpu_before = cpu_s(server.pid) if server is not None else 0.0
         for p in procs:
             p.stdin.write(f"{start_at}\n")
             p.stdin.flush()
@@ -151,7 +155,7 @@ def measure(backend: str, nodes: int, nproc: int, limit: float) -> str:
         total = max(r["last"] for r in results) - start_at
         if backend == "commctx":
             time.sleep(0.2)
-            inside = f"[{float(formed[0]):.3f}] " if formed else ""
+            inside = f"[{float(formed[0]):.3f}, cpu {cpu_s(server.pid) - cpu_before:.2f}] " if formed else ""
             return f"{inside}{max(r['known'] for r in results) - start_at:.3f} s / {total:.3f} s"
         return f"{total:.3f} s"
     finally:
