@@ -42,6 +42,7 @@ def handler():
     return create_handler
 
 
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -207,6 +208,8 @@ class CommctxRendezvousHandler(RendezvousHandler):
         if ifname is not None:
             for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(name, ifname)
+        if self._spare is not None:  # an earlier try that failed
+            self._spare.close()
         self._spare = listen_socket(address)
         self._request.address = address
         self._request.master_port = self._spare.getsockname()[1]
@@ -234,6 +237,9 @@ class CommctxRendezvousHandler(RendezvousHandler):
         world = pb.JoinResponse(worker_assignments=response.worker_assignments)  # no member id or secret
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(world.SerializeToString())
+        if self.world_file and self.world_file != path:  # the previous generation's workers are gone
+            with contextlib.suppress(OSError):
+                os.unlink(self.world_file)
         self.world_file = path
         os.environ.update({"COMMCTX_SERVER": self._server, "COMMCTX_JOB_ID": self._run_id, WORLD_ENV: path})
         log.info("commctx: job %s generation %d: node rank %d of %d, ranks %d..%d of %d, master %s:%d",
