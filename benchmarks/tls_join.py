@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import pathlib
 import statistics
 import tempfile
@@ -46,7 +45,7 @@ import trustme
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from harness import commctx_server, cpu_s, tune_gc
+from harness import commctx_server, cpu_s, start_loads, tune_gc
 
 WORKERS_PER_NODE = 8
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
@@ -84,7 +83,7 @@ def latency(address: str, root: bytes | None, warmup: int, joins: int, connects:
     return joined, connected
 
 
-def load(address: str, root: bytes | None, first: int, count: int, total: int, conn: Connection) -> None:
+def load(first: int, count: int, address: str, root: bytes | None, total: int, conn: Connection) -> None:
     tune_gc()
     asyncio.run(_load(address, root, first, count, total, conn))
 
@@ -111,16 +110,7 @@ async def _load(address: str, root: bytes | None, first: int, count: int, total:
 
 
 def scale(address: str, root: bytes | None, pid: int, n: int, procs: int) -> dict:
-    ctx = mp.get_context("spawn")
-    pipes, workers = [], []
-    share = n // procs
-    for p in range(procs):
-        parent, child = ctx.Pipe()
-        count = share if p < procs - 1 else n - share * (procs - 1)
-        w = ctx.Process(target=load, args=(address, root, p * share, count, n, child), daemon=True)
-        w.start()
-        pipes.append(parent)
-        workers.append(w)
+    pipes, workers = start_loads(load, n, procs, address, root, n)
     for c in pipes:
         assert c.poll(120) and c.recv() == "started"
     c0 = cpu_s(pid)

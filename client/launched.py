@@ -8,17 +8,14 @@ import datetime
 import os
 from collections.abc import Mapping
 
-import torch.distributed as dist
-
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import CommContextError
-from .process_groups import build_groups, destroy_all, init_world
+from .lifecycle import enter_world, leave_world
 from .registry import GroupRegistry
 
 WORLD_ENV = "COMMCTX_TORCHRUN_WORLD"  # the file of this generation's assignments, written by the agent's handler
-
 
 
 class LaunchedWorker:
@@ -63,14 +60,8 @@ class LaunchedWorker:
 
     def enter(self, registry: GroupRegistry) -> None:
         """torch.distributed through torchrun's env:// (the agent's store), then every group."""
-        a = self.assignment
-        registry.register(init_world(a.world_size, a.rank, self.backend, "env://", self._timeout, a.local_rank))
-        for record in build_groups(a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size,
-                                   backend=self.backend, timeout=self._timeout):
-            registry.register(record)
+        enter_world(registry, self.assignment, self.backend, "env://", self._timeout)
 
     def close(self, registry: GroupRegistry) -> None:
-        if registry.initialized and dist.is_initialized():
-            destroy_all(10.0)
-        registry.clear()
+        leave_world(registry)
 

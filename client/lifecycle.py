@@ -174,6 +174,21 @@ def _listen_on(address: str) -> socket.socket:
         return listen_socket("::" if ":" in address else "0.0.0.0")
 
 
+def enter_world(registry: GroupRegistry, a: Assignment, backend: str, init_method: str, timeout: datetime.timedelta) -> None:
+    """Initialises torch.distributed through `init_method` and registers every group of `a`."""
+    registry.register(init_world(a.world_size, a.rank, backend, init_method, timeout, a.local_rank))
+    for record in build_groups(a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size,
+                               backend=backend, timeout=timeout):
+        registry.register(record)
+
+
+def leave_world(registry: GroupRegistry) -> None:
+    """Destroys the process groups (no barrier, bounded time) and forgets them."""
+    if registry.initialized and dist.is_initialized() and not destroy_all(DESTROY_TIMEOUT_S):
+        log.warning("destroying the process groups took over %.0f s; continuing without waiting", DESTROY_TIMEOUT_S)
+    registry.clear()
+
+
 class Membership:
     """One worker's membership in one job. Create with `Membership.join`."""
 
@@ -239,10 +254,7 @@ class Membership:
             self._store = _torch.store_on_socket(a.master_addr, a.master_port, a.world_size, self._timeout, spare)
             self._spare = _listen_on(self.address)
             self.session.offer_spare(self._spare.getsockname()[1])
-        registry.register(init_world(a.world_size, a.rank, self.backend, a.dist_url, self._timeout, a.local_rank))
-        for record in build_groups(a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size,
-                                   backend=self.backend, timeout=self._timeout):
-            registry.register(record)
+        enter_world(registry, a, self.backend, a.dist_url, self._timeout)
         log.info(
             "joined job=%s generation=%d rank=%d/%d node_rank=%d local_rank=%d master=%s",
             a.job_id, a.generation, a.rank, a.world_size, a.node_rank, a.local_rank, a.dist_url,
@@ -261,10 +273,8 @@ class Membership:
 
     def leave_world(self, registry: GroupRegistry) -> None:
         """Destroys the process groups (no barrier, bounded time) and forgets them."""
-        if registry.initialized and dist.is_initialized() and not destroy_all(DESTROY_TIMEOUT_S):
-            log.warning("destroying the process groups took over %.0f s; continuing without waiting", DESTROY_TIMEOUT_S)
+        leave_world(registry)
         self._store = None
-        registry.clear()
 
     def close(self, registry: GroupRegistry) -> None:
         """Leaves the job (best effort), the world, and restores the environment. Idempotent."""

@@ -41,7 +41,6 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import MemberNotFound, RendezvousError, RendezvousTimeout, ServerUnavailable
-from . import transport
 from .transport import NOT_LEADER, Endpoints, LeaderStub, Tls, error_from_rpc, leader_hint, why_unreachable
 
 log = logging.getLogger("commctx")
@@ -51,6 +50,11 @@ _TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 JOIN_BACKOFF_MAX_S = 3.0  # before the lease is known
+# A Join that has not reached the server for this long logs a warning, and
+# another every UNREACHABLE_WARN_EVERY_S while it still has not (module
+# constants: a test may shorten them).
+UNREACHABLE_WARN_AFTER_S = 5.0
+UNREACHABLE_WARN_EVERY_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +160,9 @@ class Session:
             pause = self._backoff(attempt)
             if not hint:  # following a leader's hint is no outage
                 if down_since is None:
-                    down_since, next_warning = now, now + transport.UNREACHABLE_WARN_AFTER_S
+                    down_since, next_warning = now, now + UNREACHABLE_WARN_AFTER_S
                 if now >= next_warning and deadline - now >= 0.5:  # about to give up: the error says it
-                    next_warning = now + transport.UNREACHABLE_WARN_EVERY_S
+                    next_warning = now + UNREACHABLE_WARN_EVERY_S
                     log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s",
                                 addr, now - down_since, why_unreachable(addr) or err.details, deadline - now)
                 pause = min(pause, max(0.01, next_warning - now))  # the warning comes on time
@@ -320,15 +324,14 @@ class Session:
         self._wake.put(True)
 
     def current_world(self, request: pb.JoinRequest, timeout_s: float) -> pb.JoinResponse:
-        """The answer to `request` (the one `join` sent) for the world this member
-        sits in now: a Join re-attaching to the membership. A node membership's
-        session events carry its first worker's assignment; this gives all.
+        """The answer to `request` (the one `join` sent, which names this
+        membership) for the world this member sits in now: a Join re-attaching to
+        the membership. A node membership's session events carry its first
+        worker's assignment; this gives all.
 
         Raises:
             RendezvousError: the server refused it (a subclass says why).
         """
-        request = pb.JoinRequest.FromString(request.SerializeToString())
-        request.member_id, request.member_secret = self.member_id, self._secret
         request.wait_timeout_ms = max(1, round(timeout_s * 1000))
         try:
             response = self._endpoints.call("Join", request, timeout_s + 5.0)

@@ -9,7 +9,6 @@ A highly available server is several replicas, one of them the leader; the
 others answer every call UNAVAILABLE with reason NOT_LEADER and the leader's
 address (ErrorInfo metadata "leader") when they know it. `Endpoints` holds the
 replicas a client knows and which of them leads.
-
 """
 
 from __future__ import annotations
@@ -164,12 +163,6 @@ FAILOVER_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 2_000),
     ("grpc.max_reconnect_backoff_ms", 3_000),
 ]
-
-# A Join that has not reached the server for this long logs a warning, and
-# another every UNREACHABLE_WARN_EVERY_S while it still has not (session.py;
-# module constants: a test may shorten them).
-UNREACHABLE_WARN_AFTER_S = 5.0
-UNREACHABLE_WARN_EVERY_S = 30.0
 
 
 class _CallDetails(

@@ -82,9 +82,9 @@ def port_in_use(host: str, port: int, what: str = "port", flag: str = "--port") 
     """"" when `port` on `host` can be listened on now, else the one line that
     says why not (e.g. "port 50051 on 0.0.0.0 is already in use (--port)").
 
-    Asked before gRPC binds: gRPC sets SO_REUSEPORT, so a second commctx-server
-    would share the port of a running one instead of failing, and a failed bind
-    costs a traceback and gRPC's own log lines. Port 0 (any free port) is always fine.
+    Asked before gRPC binds (which, with SO_REUSEPORT off, fails on a busy port
+    too), because a failed bind there costs a traceback and gRPC's own log lines.
+    Port 0 (any free port) is always fine.
     """
     if not port:
         return ""

@@ -22,6 +22,19 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 
 
 @pytest.fixture
+def hosts():
+    """Two hosts: network namespaces on a bridge of their own (tests/cluster.py); skipped without root."""
+    from .cluster import Hosts, netns_available
+
+    why_not = netns_available()
+    if why_not:
+        pytest.skip(why_not)
+    h = Hosts(2)
+    yield h
+    h.close()
+
+
+@pytest.fixture
 async def server():
     s = await start_server("127.0.0.1", 0, lease_ttl_s=5.0)
     yield s

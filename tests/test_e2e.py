@@ -12,7 +12,7 @@ import pytest
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .cluster import Hosts, Server, netns_available, running, worker
+from .cluster import Server, running, worker
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -87,16 +87,6 @@ def test_one_host_on_loopback():
             assert by_rank[rank].popen.wait(30) == 0
 
 
-NETNS = netns_available()
-
-
-@pytest.fixture
-def hosts():
-    if NETNS:
-        pytest.skip(NETNS)
-    h = Hosts(2)
-    yield h
-    h.close()
 
 
 @pytest.mark.parametrize("layout", [{"host-a": 2, "host-b": 2}, {"host-a": 3, "host-b": 1}], ids=["2+2", "3+1"])

@@ -20,6 +20,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Hosts, Server, netns_available, running, worker
+from .test_operate import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 TTL = 2.0
@@ -104,8 +105,11 @@ def test_an_ended_job_and_a_lost_lease_are_final_world_changes():
         assert (ended["final"], ended["same"], ended["callbacks"]) == (True, True, 1), ended
         assert "left" in ended["reason"] and "fewer than the minimum of 2" in ended["reason"], ended
         assert ended["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: job 'left'"), ended
-        os.killpg(lost.popen.pid, signal.SIGSTOP)  # no renewals: its lease runs out
-        time.sleep(TTL * 2)
+        os.killpg(lost.popen.pid, signal.SIGSTOP)  # no renewals: its lease runs out, and the job fails without it
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            wait_until(lambda: stub.DescribeJob(pb.DescribeJobRequest(job_id="lost"), timeout=5).state
+                       == pb.JobDescription.FAILED, TTL + 10, "the stopped worker's lease runs out")
         os.killpg(lost.popen.pid, signal.SIGCONT)
         lost.send("ended")
         gone = lost.event(TTL + 30)

@@ -143,20 +143,20 @@ def test_a_writer_that_was_taken_over_is_fenced(make_store):
 # -- SQLite only --------------------------------------------------------------------------
 
 
-def v1_database(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A state directory holding the database the first release wrote (tests/data/state-v1.sql
-    is its dump, made by that release's server code: a formed RL job, an elastic job grown
-    to generation 2, a forming job and a failed one)."""
-    directory = tmp_path / "v1"
+def old_database(tmp_path: pathlib.Path, version: int) -> pathlib.Path:
+    """A state directory holding a database of schema `version`, from tests/data/state-vN.sql:
+    dumps made by this repository's code of that schema (v1, the first release's: a formed
+    RL job, an elastic job grown to generation 2, a forming job and a failed one)."""
+    directory = tmp_path / f"v{version}"
     directory.mkdir()
     db = sqlite3.connect(directory / "commctx.sqlite3")
-    db.executescript((DATA / "state-v1.sql").read_text())
+    db.executescript((DATA / f"state-v{version}.sql").read_text())
     db.close()
     return directory
 
 
 def test_a_first_release_database_is_migrated(tmp_path):
-    directory = v1_database(tmp_path)
+    directory = old_database(tmp_path, 1)
     store = SqliteStore(directory)
     assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
@@ -192,11 +192,7 @@ def test_a_first_release_database_is_migrated(tmp_path):
 
 
 def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(tmp_path):
-    directory = tmp_path / "v2"
-    directory.mkdir()
-    db = sqlite3.connect(directory / "commctx.sqlite3")
-    db.executescript((DATA / "state-v2.sql").read_text())  # dumped from this repository's schema-2 code
-    db.close()
+    directory = old_database(tmp_path, 2)
     store = SqliteStore(directory)
     assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
@@ -220,11 +216,7 @@ def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(
 
 
 def test_a_schema_3_database_is_migrated_and_its_members_are_single_workers(tmp_path):
-    directory = tmp_path / "v3"
-    directory.mkdir()
-    db = sqlite3.connect(directory / "commctx.sqlite3")
-    db.executescript((DATA / "state-v3.sql").read_text())  # written by this repository's schema-3 code
-    db.close()
+    directory = old_database(tmp_path, 3)
     store = SqliteStore(directory)
     assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
     assert {m.member_id: m.workers for j in store.load() for m in j.members} == {

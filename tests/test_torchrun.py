@@ -13,24 +13,14 @@ import threading
 import time
 import urllib.request
 
-import pytest
 
 from commctx.v1 import rendezvous_pb2 as pb
 
-from .cluster import WORKER, Hosts, Proc, Server, netns_available, running
+from .cluster import WORKER, Proc, Server, running
+from .test_operate import wait_until
 
 TRAIN = os.path.join(os.path.dirname(WORKER), "torchrun_train.py")
-NETNS = netns_available()
 TTL_S = 3
-
-
-@pytest.fixture
-def hosts():
-    if NETNS:
-        pytest.skip(NETNS)
-    h = Hosts(2)
-    yield h
-    h.close()
 
 
 def torchrun(server: str, job: str, nnodes: str, ns: str, hostname: str, *script_args: str, conf: str = "") -> Proc:
@@ -155,14 +145,14 @@ def test_the_handler_through_torchs_registry_restarts_and_shrinks():
             restarted = []
             b = threading.Thread(target=lambda: restarted.append(hs[1].next_rendezvous()))
             b.start()
-            wait_for(lambda: hs[0].num_nodes_waiting() > 0, "a hears of b's restart")
+            wait_until(lambda: hs[0].num_nodes_waiting() > 0, 15, "a hears of b's restart")
             info = hs[0].next_rendezvous()
             b.join(30)
             assert (info.rank, info.world_size, restarted[0].rank) == (0, 2, 1)
             assert info.bootstrap_store_info.master_port != first[0][2]  # a fresh store
             assert [a.generation for a in written_world(hs[0]).worker_assignments] == [2, 2]
             hs[1].shutdown()  # b leaves: a's world shrinks to its own node
-            wait_for(lambda: hs[0].num_nodes_waiting() > 0, "a hears that b left")
+            wait_until(lambda: hs[0].num_nodes_waiting() > 0, 15, "a hears that b left")
             (alone,) = rendezvous_all(hs[:1])
             assert alone[:2] == (0, 1)
             assert [(a.rank, a.world_size, a.generation) for a in written_world(hs[0]).worker_assignments] == [(0, 2, 3), (1, 2, 3)]
@@ -175,10 +165,3 @@ def written_world(handler) -> pb.JoinResponse:
     """The assignments the handler wrote for its workers (COMMCTX_TORCHRUN_WORLD)."""
     with open(handler.world_file, "rb") as f:
         return pb.JoinResponse.FromString(f.read())
-
-
-def wait_for(condition, what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        time.sleep(0.05)

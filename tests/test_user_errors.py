@@ -68,11 +68,11 @@ def test_a_join_that_cannot_reach_the_server_warns_after_5_s_and_then_fails_unav
 def test_the_warning_repeats_at_its_interval(monkeypatch, caplog):
     """The intervals are module constants; shortened here, the warnings come
     again and again, each with less time left, until the join gives up."""
-    from commctx import transport
+    from commctx import session as session_module
     from commctx.session import Session
 
-    monkeypatch.setattr(transport, "UNREACHABLE_WARN_AFTER_S", 0.4)
-    monkeypatch.setattr(transport, "UNREACHABLE_WARN_EVERY_S", 0.6)
+    monkeypatch.setattr(session_module, "UNREACHABLE_WARN_AFTER_S", 0.4)
+    monkeypatch.setattr(session_module, "UNREACHABLE_WARN_EVERY_S", 0.6)
     caplog.set_level(logging.WARNING, logger="commctx")
     port = closed_port()
     session = Session(f"127.0.0.1:{port}")
@@ -95,11 +95,12 @@ def test_the_warning_repeats_at_its_interval(monkeypatch, caplog):
 async def test_a_join_waiting_on_a_live_server_does_not_warn(server, monkeypatch, caplog):
     """Waiting for the other workers is not an outage: no such warning, and the
     server's own answer (who is missing) ends the join."""
-    from commctx import RendezvousTimeout, transport
+    from commctx import RendezvousTimeout
+    from commctx import session as session_module
     from commctx.session import Session
 
-    monkeypatch.setattr(transport, "UNREACHABLE_WARN_AFTER_S", 0.2)
-    monkeypatch.setattr(transport, "UNREACHABLE_WARN_EVERY_S", 0.2)
+    monkeypatch.setattr(session_module, "UNREACHABLE_WARN_AFTER_S", 0.2)
+    monkeypatch.setattr(session_module, "UNREACHABLE_WARN_EVERY_S", 0.2)
     caplog.set_level(logging.WARNING, logger="commctx")
     session = Session(f"127.0.0.1:{server.port}")
     try:
