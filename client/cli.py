@@ -105,7 +105,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="print every rank and group of a described world",
         description="Dry run: plan a world with the server's own code and print every rank and group.",
     )
-    world = p.add_mutually_exclusive_group(required=True)
+    world = p.add_mutually_exclusive_group()  # one is needed: checked after the spec is read (plan_from_args)
     world.add_argument("--nodes", type=int, help="number of nodes (with --per-node)")
     world.add_argument("--local-sizes", type=_sizes, help="workers per node, e.g. 8,8,4")
     p.add_argument("--per-node", type=int, default=1, help="workers per node with --nodes (default 1)")
@@ -151,8 +151,8 @@ def read_spec(path: str) -> pb.JobSpec:
         raise SystemExit(f"commctx plan: --spec {shown} is not a JobSpec: {why}") from None
 
 
-def build_spec(args: argparse.Namespace, world_size: int) -> pb.JobSpec:
-    spec = read_spec(args.spec) if args.spec else pb.JobSpec()
+def build_spec(args: argparse.Namespace, world_size: int, spec: pb.JobSpec) -> pb.JobSpec:
+    """`spec` (read from --spec, or empty) completed by the command line's options."""
     if spec.world_size and spec.world_size != world_size:
         raise SystemExit(f"commctx plan: the spec says world_size {spec.world_size} but the world has {world_size} workers")
     spec.world_size = world_size
@@ -167,13 +167,16 @@ def build_spec(args: argparse.Namespace, world_size: int) -> pb.JobSpec:
 
 def plan_from_args(args: argparse.Namespace) -> WorldPlan:
     """Raises RendezvousError or PlanError when the world cannot satisfy the spec."""
+    given = read_spec(args.spec) if args.spec else pb.JobSpec()  # first: a spec that cannot be read is the one line to see
+    if not args.local_sizes and args.nodes is None:
+        raise SystemExit("commctx plan: give the world's shape: --nodes N [--per-node M], or --local-sizes 8,8,4")
     sizes = args.local_sizes or [args.per_node] * args.nodes
     if not args.local_sizes and (args.nodes < 1 or args.per_node < 1):
         raise SystemExit("commctx plan: --nodes and --per-node must be at least 1")
     node_roles = args.node_roles.split(",") if args.node_roles else []
     if node_roles and len(node_roles) < max(sizes):
         raise SystemExit(f"commctx plan: --node-roles names {len(node_roles)} roles but a node has {max(sizes)} workers")
-    spec = JobSpec.from_json(json_format.MessageToDict(build_spec(args, sum(sizes)), preserving_proto_field_name=True))
+    spec = JobSpec.from_json(json_format.MessageToDict(build_spec(args, sum(sizes), given), preserving_proto_field_name=True))
     members = [
         Candidate(f"n{n}l{l}", f"node{n}", f"10.0.{n // 250}.{n % 250 + 1}", 29500, l, n, node_roles[l] if node_roles else "")
         for n, size in enumerate(sizes)

@@ -97,6 +97,14 @@ def test_a_missing_spec_file_is_one_line(tmp_path):
     assert_one_line(plan_with_spec(str(tmp_path)), f"cannot read --spec {tmp_path}: Is a directory")
 
 
+def test_the_readme_s_commctx_plan_spec_missing_json_is_one_line(tmp_path):
+    """Exactly `commctx plan --spec missing.json`: the file's problem first, then the missing shape."""
+    out = subprocess.run(["commctx", "plan", "--spec", "missing.json"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert_one_line(out, "commctx plan: cannot read --spec missing.json: No such file or directory")
+    out = subprocess.run(["commctx", "plan"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert_one_line(out, "commctx plan: give the world's shape: --nodes N [--per-node M], or --local-sizes 8,8,4")
+
+
 def test_a_spec_file_that_is_not_json_is_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"roles": [\n')
