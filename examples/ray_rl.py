@@ -20,6 +20,7 @@ defaults to the hostname. The server may also come from COMMCTX_SERVER.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import uuid
@@ -111,9 +112,13 @@ def main() -> None:
     p.add_argument("--job", help="job id (default: a fresh one)")
     p.add_argument("--advertise-addr", help="the IP peers reach the actors on (default: the route to the server)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the world to form")
+    p.add_argument("--json", action="store_true", help="print the actors' reports as one JSON list instead")
     args = p.parse_args()
 
     reports = run(args.server, args.job, args.advertise_addr, args.timeout)
+    if args.json:
+        print(json.dumps(reports), flush=True)
+        return
     sent = {r["node_key"]: r["sent"] for r in reports if r["role"] == "trainer"}
     ok = True
     for r in sorted(reports, key=lambda r: r["rank"]):

@@ -4,9 +4,11 @@ spec, all_reduce over TRAIN_DATA_PARALLEL and broadcast over WEIGHT_TRANSFER."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
 import pathlib
-import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -18,37 +20,30 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
 
-ray = pytest.importorskip("ray")  # a guard only: the test extra installs commctx[ray]
+pytest.importorskip("ray")  # a guard only: the test extra installs commctx[ray]
 
 pytestmark = pytest.mark.timeout(180)
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "ray_rl.py"
 
 
-@pytest.fixture
-def ray_rl(monkeypatch):
-    monkeypatch.setenv("RAY_DISABLE_USAGE_STATS", "1")
-    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init installs its own and leaves it after shutdown
-    spec = importlib.util.spec_from_file_location("ray_rl", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    if ray.is_initialized():  # run() shuts Ray down itself; this only backs it up
-        ray.shutdown()
-    signal.signal(signal.SIGTERM, sigterm)
-
-
 def descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def test_trainers_and_rollouts_as_ray_actors(ray_rl):
+def test_trainers_and_rollouts_as_ray_actors():
     before = descendants()
     server = Server("127.0.0.1")
     try:
+        # The driver as its own process, as the README runs it: Ray then starts its
+        # processes from a clean one, not from this one's gRPC threads.
         start = time.monotonic()
-        reports = ray_rl.run(server.address, job_id="ray-rl", timeout=90)
-        print(f"ray_rl.run: {time.monotonic() - start:.1f} s")
+        driver = subprocess.run([sys.executable, str(EXAMPLE), "--server", server.address, "--job", "ray-rl",
+                                 "--timeout", "90", "--json"], capture_output=True, text=True, timeout=170,
+                                env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1"})
+        assert driver.returncode == 0, driver.stderr[-4000:]
+        reports = json.loads(driver.stdout.strip().splitlines()[-1])
+        print(f"examples/ray_rl.py: {time.monotonic() - start:.1f} s")
 
         # Who is who: returned in the driver's order, node0's three then node1's.
         assert [(r["node_key"], r["role"]) for r in reports] == [
