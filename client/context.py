@@ -144,8 +144,8 @@ class CommContext:
                 raise CommContextError("on_world_changed is not available under torchrun: its agent restarts the "
                                        "workers into the next world")
             try:
-                ctx._membership = LaunchedWorker.from_env(
-                    launcher.torchrun_world, job_id=job_id, world_size=world_size, backend=resolve_backend(backend),
+                ctx._membership = LaunchedWorker.from_launcher(
+                    launcher, job_id=job_id, world_size=world_size, backend=resolve_backend(backend),
                     collective_timeout_s=collective_timeout)
                 ctx._membership.enter(ctx._registry)
             except BaseException:

@@ -5,14 +5,14 @@ the agent's file, checks it against torchrun's variables, and builds its world."
 from __future__ import annotations
 
 import datetime
-import os
-from collections.abc import Mapping
+
+from google.protobuf.message import DecodeError
 
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import CommContextError
-from .lifecycle import enter_world, leave_world
+from .lifecycle import LauncherEnv, enter_world, leave_world
 from .registry import GroupRegistry
 
 WORLD_ENV = "COMMCTX_TORCHRUN_WORLD"  # the file of this generation's assignments, written by the agent's handler
@@ -31,26 +31,29 @@ class LaunchedWorker:
         self._timeout = datetime.timedelta(seconds=collective_timeout_s)
 
     @classmethod
-    def from_env(cls, path: str, *, job_id: str | None, world_size: int | None, backend: str,
-                 collective_timeout_s: int, env: Mapping[str, str] | None = None) -> LaunchedWorker:
-        """This worker's assignment, from the agent's file at `path`, checked
-        against torchrun's variables.
+    def from_launcher(cls, launcher: LauncherEnv, *, job_id: str | None, world_size: int | None, backend: str,
+                      collective_timeout_s: int) -> LaunchedWorker:
+        """This worker's assignment, from the agent's file (launcher.torchrun_world),
+        checked against torchrun's variables.
 
         Raises:
             CommContextError: the file is missing, or it disagrees with torchrun or the arguments.
         """
-        env = os.environ if env is None else env
+        path = launcher.torchrun_world
         try:
             with open(path, "rb") as f:
                 world = pb.JoinResponse.FromString(f.read())
-            local_rank = int(env["LOCAL_RANK"])
-            a = Assignment.from_proto(world.worker_assignments[local_rank], "")
-        except (OSError, KeyError, ValueError, IndexError) as exc:
+            if launcher.local_rank is None:
+                raise ValueError("torchrun did not set LOCAL_RANK")
+            a = Assignment.from_proto(world.worker_assignments[launcher.local_rank], "")
+        except (OSError, ValueError, IndexError, DecodeError) as exc:
             raise CommContextError(f"cannot read this worker's assignment from {WORLD_ENV}={path}: {exc}") from None
-        expected = {"RANK": a.rank, "GROUP_RANK": a.node_rank, "WORLD_SIZE": a.world_size, "LOCAL_WORLD_SIZE": a.local_world_size}
-        for name, value in expected.items():
-            if env.get(name) != str(value):
-                raise CommContextError(f"torchrun set {name}={env.get(name)} but the rendezvous server assigned {value} "
+        expected = {"RANK": (launcher.rank, a.rank), "GROUP_RANK": (launcher.group_rank, a.node_rank),
+                    "WORLD_SIZE": (launcher.world_size, a.world_size), "LOCAL_WORLD_SIZE": (launcher.local_world_size, a.local_world_size)}
+        for name, (given, assigned) in expected.items():
+            if given != assigned:
+                said = f"torchrun set {name}={given}" if given is not None else f"torchrun did not set {name}"
+                raise CommContextError(f"{said} but the rendezvous server assigned {assigned} "
                                        f"(generation {a.generation} of job {a.job_id!r})")
         if job_id is not None and job_id != a.job_id:
             raise CommContextError(f"job_id {job_id!r} disagrees with torchrun's --rdzv-id {a.job_id!r}")

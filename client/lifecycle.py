@@ -42,11 +42,15 @@ DESTROY_TIMEOUT_S = 10.0
 class LauncherEnv:
     """What a launcher (torchrun, Slurm scripts, the user) put in the environment.
 
-    The only place commctx reads environment variables.
+    The only place CommContext and the torchrun handler read environment
+    variables (the `commctx` console tool reads its own).
     """
 
     local_rank: int | None = None
     local_world_size: int | None = None
+    rank: int | None = None  # RANK, GROUP_RANK, WORLD_SIZE: read under torchrun on commctx only, to check the assignment
+    group_rank: int | None = None
+    world_size: int | None = None
     gloo_socket_ifname: str | None = None
     nccl_socket_ifname: str | None = None
     tls_ca: str | None = None  # COMMCTX_TLS_*: TLS to the rendezvous server
@@ -63,8 +67,9 @@ class LauncherEnv:
         """Reads the launcher variables.
 
         Raises:
-            CommContextError: LOCAL_RANK or LOCAL_WORLD_SIZE is set but not a
-                non-negative integer.
+            CommContextError: LOCAL_RANK or LOCAL_WORLD_SIZE (under torchrun
+                on commctx also RANK, GROUP_RANK or WORLD_SIZE) is set but not
+                a non-negative integer.
         """
         env = os.environ if env is None else env
 
@@ -80,9 +85,13 @@ class LauncherEnv:
                 raise CommContextError(f"{name}={raw!r} is not a non-negative integer")
             return value
 
+        torchrun_world = (env.get("COMMCTX_TORCHRUN_WORLD") or None) if env.get("TORCHELASTIC_RUN_ID") else None
         return cls(
             local_rank=number("LOCAL_RANK"),
             local_world_size=number("LOCAL_WORLD_SIZE"),
+            rank=number("RANK") if torchrun_world else None,
+            group_rank=number("GROUP_RANK") if torchrun_world else None,
+            world_size=number("WORLD_SIZE") if torchrun_world else None,
             gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
             nccl_socket_ifname=env.get("NCCL_SOCKET_IFNAME") or None,
             tls_ca=env.get("COMMCTX_TLS_CA") or None,
@@ -92,7 +101,7 @@ class LauncherEnv:
             job_secret=env.get("COMMCTX_JOB_SECRET") or None,
             server=env.get("COMMCTX_SERVER") or None,
             job_id=env.get("COMMCTX_JOB_ID") or None,
-            torchrun_world=(env.get("COMMCTX_TORCHRUN_WORLD") or None) if env.get("TORCHELASTIC_RUN_ID") else None,
+            torchrun_world=torchrun_world,
         )
 
 

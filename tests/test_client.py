@@ -33,6 +33,7 @@ from commctx import (
     StaleGeneration,
 )
 from commctx.addresses import split_address
+from commctx.launched import LaunchedWorker
 from commctx.lifecycle import resolve_backend
 from commctx.transport import error_from_rpc
 from commctx.v1 import rendezvous_pb2 as pb
@@ -127,6 +128,42 @@ def test_launcher_env_is_read_in_one_place():
     assert LauncherEnv.from_env({}) == LauncherEnv()
     with pytest.raises(CommContextError, match="LOCAL_RANK='x' is not a non-negative integer"):
         LauncherEnv.from_env({"LOCAL_RANK": "x"})
+
+
+def test_a_torchrun_worker_checks_its_assignment_against_torchruns_variables(tmp_path):
+    """CommContext.join() under torchrun on commctx (LaunchedWorker) takes its own
+    assignment from the agent's file and refuses one that disagrees with torchrun."""
+    world = pb.JoinResponse()
+    for local in range(2):  # node rank 1 of 2 nodes of 2 workers: ranks 2 and 3
+        world.worker_assignments.add(job_id="tr", generation=3, rank=2 + local, world_size=4, node_rank=1, num_nodes=2,
+                                     local_rank=local, local_world_size=2, master_addr="10.0.0.1", master_port=29500,
+                                     dist_url="tcp://10.0.0.1:29500")
+    path = tmp_path / "world"
+    path.write_bytes(world.SerializeToString())
+    torchrun = {"TORCHELASTIC_RUN_ID": "tr", "COMMCTX_TORCHRUN_WORLD": str(path), "LOCAL_RANK": "1", "RANK": "3",
+                "GROUP_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+
+    def launched(env, job_id=None, world_size=None):
+        return LaunchedWorker.from_launcher(LauncherEnv.from_env(env), job_id=job_id, world_size=world_size,
+                                            backend="gloo", collective_timeout_s=60)
+
+    a = launched(torchrun).assignment
+    assert (a.job_id, a.generation, a.rank, a.node_rank, a.local_rank, a.world_size) == ("tr", 3, 3, 1, 1, 4)
+    with pytest.raises(CommContextError, match=r"torchrun set RANK=2 but the rendezvous server assigned 3 \(generation 3 of job 'tr'\)"):
+        launched({**torchrun, "RANK": "2"})
+    with pytest.raises(CommContextError, match="torchrun did not set GROUP_RANK but the rendezvous server assigned 1 "):
+        launched({k: v for k, v in torchrun.items() if k != "GROUP_RANK"})
+    with pytest.raises(CommContextError, match="job_id 'other' disagrees with torchrun's --rdzv-id 'tr'"):
+        launched(torchrun, job_id="other")
+    with pytest.raises(CommContextError, match="world_size 8 disagrees with torchrun's world of 4"):
+        launched(torchrun, world_size=8)
+    with pytest.raises(CommContextError, match="cannot read this worker's assignment from COMMCTX_TORCHRUN_WORLD=.*: list index"):
+        launched({**torchrun, "LOCAL_RANK": "5"})
+    with pytest.raises(CommContextError, match="cannot read this worker's assignment from COMMCTX_TORCHRUN_WORLD=/nonexistent"):
+        launched({**torchrun, "COMMCTX_TORCHRUN_WORLD": "/nonexistent"})
+    with pytest.raises(CommContextError, match="RANK='x' is not a non-negative integer"):
+        LauncherEnv.from_env({**torchrun, "RANK": "x"})
+    assert LauncherEnv.from_env({"RANK": "x"}).rank is None  # read only under torchrun on commctx
 
 
 def test_uninitialised_context_says_so(monkeypatch):
