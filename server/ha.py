@@ -100,6 +100,7 @@ class Replica:
                 stop_keeping = threading.Event()
                 keeper = asyncio.ensure_future(asyncio.to_thread(self._keep, lease_id, granted_at, stop_keeping))
                 keeper.add_done_callback(lambda t: t.cancelled() or t.exception())  # read here or in _lead
+                keeper.add_done_callback(lambda _, stop=stop_keeping: stop.set())  # cancelling the task stops the thread
                 self._leader_changed.clear()
                 reply = await self._unary(self._kv.Txn, rpc.TxnRequest(
                     compare=[rpc.Compare(key=self._config.leader_key, target=rpc.Compare.CREATE,
@@ -164,7 +165,7 @@ class Replica:
     def _keep(self, lease_id: int, granted_at: float, stop: threading.Event) -> None:
         """Renews the lease every TTL/3 until `stop`; raises LeaseLost once the
         last renewal etcd confirmed could have run out (less a margin). Runs in a
-        thread of its own through the blocking gRPC API: a leader busy with a
+        worker thread, off the event loop, through the blocking gRPC API: a leader busy with a
         burst of ten thousand joins must not lose its lease because its
         renewals wait behind them on the event loop."""
         leases = rpc.LeaseStub(self._store.channel)

@@ -180,8 +180,8 @@ class _StateCollector:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self._stats()
         yield GaugeMetricFamily("commctx_active_jobs", "Jobs held (forming, formed or failed with members)", value=s.jobs)
-        yield GaugeMetricFamily("commctx_active_members", "Members of all jobs", value=s.members)
-        yield GaugeMetricFamily("commctx_waiting_members", "Members whose world has not formed yet", value=s.waiting)
+        yield GaugeMetricFamily("commctx_active_members", "Workers of all jobs (a node membership counts its workers)", value=s.members)
+        yield GaugeMetricFamily("commctx_waiting_members", "Workers whose world has not formed yet", value=s.waiting)
         yield GaugeMetricFamily(
             "commctx_keepalive_age_seconds", "Seconds since the least recently renewed lease was renewed", value=s.oldest_keepalive_s
         )

@@ -691,6 +691,24 @@ def test_failed_jobs_kept_and_the_age_of_a_job_survive_a_restart(clock):
     assert again.job_ids() == [] and {DeleteJob("j2"), DeleteJob("j3")} <= set(actions.writes)
 
 
+def test_a_formed_jobs_age_counts_from_its_world_across_a_restart(clock):
+    wall = FakeClock()
+    wall.now = 1_800_000_000.0
+    store = MemoryStore()
+    epoch = store.take_over()
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=wall)
+    store.commit(rdzv.join(params(JobSpec.build(2), "n0", job="j"))[1].writes, epoch)
+    clock.now += 5  # forming takes 5 s
+    wall.now += 5
+    store.commit(rdzv.join(params(JobSpec.build(2), "n1", job="j"))[1].writes, epoch)
+    clock.now += 2
+    wall.now += 2
+    assert rdzv.describe("j").state is JobState.FORMED and rdzv.describe("j").forming_for_s == pytest.approx(2)
+    again = Rendezvous(lease_ttl_s=TTL, clock=FakeClock(), wall=wall)  # a restart: a new monotonic clock
+    again.restore(store.load(), grace_s=5)
+    assert again.describe("j").forming_for_s == pytest.approx(2)  # AGE from the world's forming, as before
+
+
 # -- node memberships (a launcher's agent joins its node's workers in one call) ----------
 
 
@@ -727,6 +745,7 @@ def test_a_node_membership_takes_its_node_alone_and_counts_its_workers(rdzv):
     join(rdzv, params(spec, "c", role="r"))
     with pytest.raises(JobFull, match="has 4 of 5 workers; node 'd' cannot add 2 more"):
         rdzv.join(node(spec, "d", 2, role="r"))
+    assert (rdzv.stats().members, rdzv.stats().waiting) == (4, 4)  # the metrics count workers, both of them
 
 
 def test_node_membership_parameters_are_checked():

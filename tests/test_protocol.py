@@ -658,3 +658,8 @@ async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the
     for n in range(3, 3 + codec.SpecCache.SIZE):
         await cache.spec_of(pb.JoinRequest(spec=pb.JobSpec(world_size=n)), limits)
     assert len(cache._specs) == codec.SpecCache.SIZE
+    threads.clear()
+    big.spec.world_size = 2048  # a new big spec, sent by a burst of workers at once: parsed once
+    specs = await asyncio.gather(*(codec.SpecCache().spec_of(big, limits) for _ in range(1)),
+                                 *(cache.spec_of(big, limits) for _ in range(20)))
+    assert len(threads) == 2 and all(s == specs[0] for s in specs) and specs[1] is specs[-1]

@@ -497,6 +497,7 @@ class Rendezvous:
         rank0 = plan.seating.nodes[0].members[0]
         members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
         actions.writes.append(PutMember(job.job_id, _member_record(rank0, members[rank0])))
+        formed_in_s, job.forming_since = now - job.forming_since, now  # the record keeps the formed world's start
         actions.writes.append(PutJob(self._record(job)))
         world = NewWorld(job.job_id, job.generation, plan, previous, reason)
         if previous is not None:
@@ -509,8 +510,7 @@ class Rendezvous:
                         actions.pushes.append((m.session, change))
         actions.wakes.append((job.job_id, world))
         actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,
-                                             "nodes": plan.num_nodes, "seconds": round(now - job.forming_since, 3)}))
-        job.forming_since = now
+                                             "nodes": plan.num_nodes, "seconds": round(formed_in_s, 3)}))
 
     def _stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
         """The job cannot go on: FAILED or ENDED. Every session and waiter hears why."""
@@ -893,7 +893,7 @@ class Rendezvous:
         """Counts for metrics (linear in the number of jobs, not members)."""
         members = waiting = 0
         for job in self._jobs.values():
-            members += len(job.members)
+            members += job.workers  # workers, as `waiting`: a node membership counts its workers
             waiting += job.workers - job.placed
         oldest = self._oldest_lease()
         age = 0.0 if oldest == math.inf else max(0.0, self._clock() - (oldest - self.lease_ttl_s))

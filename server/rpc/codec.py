@@ -124,11 +124,14 @@ class SpecCache:
     SIZE = 256
     INLINE_BYTES = 4096  # larger: parsed in a worker thread (1,024 rules are 10-15 ms of Python)
 
+    # One thread for the process (every term's cache): several would each take the GIL
+    # from the event loop in turn (20 big specs at once: 65 ms of loop lag with the
+    # default pool, 16 ms inline).
+    _parser: concurrent.futures.ThreadPoolExecutor | None = None
+
     def __init__(self) -> None:
         self._specs: collections.OrderedDict[bytes, JobSpec] = collections.OrderedDict()
-        # One thread: several would each take the GIL from the event loop in turn
-        # (20 big specs at once: 65 ms of loop lag with the default pool, 16 ms inline).
-        self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="commctx-spec")
+        self._parsing: dict[bytes, asyncio.Future[JobSpec]] = {}  # big specs being parsed: one parse for a burst
 
     async def spec_of(self, r: pb.JoinRequest, limits: Limits) -> JobSpec:
         """The request's spec, within `limits` (checked before it is parsed).
@@ -150,7 +153,13 @@ class SpecCache:
             self._specs.move_to_end(wire)
             return spec
         if size > self.INLINE_BYTES:
-            spec = await asyncio.get_running_loop().run_in_executor(self._parser, _parse_spec, wire)
+            parsing = self._parsing.get(wire)
+            if parsing is None:
+                if SpecCache._parser is None:
+                    SpecCache._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="commctx-spec")
+                parsing = self._parsing[wire] = asyncio.get_running_loop().run_in_executor(SpecCache._parser, _parse_spec, wire)
+                parsing.add_done_callback(lambda _: self._parsing.pop(wire, None))
+            spec = await asyncio.shield(parsing)  # a Join that goes away does not cancel the others' parse
         else:
             spec = _parse_spec(wire)
         self._specs[wire] = spec
