@@ -22,9 +22,9 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import CommContextError, GroupNotFound, MemberNotFound
-from .lifecycle import LauncherEnv, Membership, job_spec_of, resolve_backend
+from .launched import LaunchedWorker
+from .lifecycle import DESTROY_TIMEOUT_S, LauncherEnv, Membership, job_spec_of, resolve_backend
 from .modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
-from .lifecycle import DESTROY_TIMEOUT_S
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange
@@ -61,7 +61,7 @@ class CommContext:
             return cls._instance
 
     _registry: GroupRegistry
-    _membership: Membership | None
+    _membership: Membership | LaunchedWorker | None
 
     # -- joining a rendezvous ------------------------------------------------------
 
@@ -138,8 +138,6 @@ class CommContext:
             raise CommContextError("CommContext is already initialised in this process; call destroy() first")
         launcher = LauncherEnv.from_env()
         if launcher.torchrun_world:  # torchrun --rdzv-backend=commctx: the agent joined for this worker
-            from .launched import LaunchedWorker
-
             if on_world_changed is not None:
                 raise CommContextError("on_world_changed is not available under torchrun: its agent restarts the "
                                        "workers into the next world")

@@ -140,19 +140,17 @@ def _spec_problem(value: Mapping[str, Any], descriptor: Any, path: str) -> str:
     or a message field that is not a dict (a repeated one not a list); ""
     when nothing is. Values themselves are left to json_format."""
     for key, item in value.items():
-        field = descriptor.fields_by_name.get(key) if isinstance(key, str) else None
-        if field is None and isinstance(key, str):
-            field = next((f for f in descriptor.fields if f.json_name == key), None)
+        field = None
+        if isinstance(key, str):  # the proto name or its JSON (camelCase) name
+            field = descriptor.fields_by_name.get(key) or descriptor.fields_by_camelcase_name.get(key)
         if field is None:
             known = ", ".join(f.name for f in descriptor.fields)
             return f"unknown key {key!r} in {path} (known keys: {known})"
         if item is None or field.message_type is None or field.message_type.full_name.startswith("google.protobuf."):
             continue  # None: JSON null, the field left out
-        repeated = getattr(field, "is_repeated", None)
-        repeated = field.label == field.LABEL_REPEATED if repeated is None else repeated
-        if repeated and not isinstance(item, list):
+        if field.is_repeated and not isinstance(item, list):
             return f"{path}.{key} must be a list, not {type(item).__name__}"
-        for i, sub in enumerate(item) if repeated else [(None, item)]:
+        for i, sub in enumerate(item) if field.is_repeated else [(None, item)]:
             where = f"{path}.{key}" + (f"[{i}]" if i is not None else "")
             if not isinstance(sub, Mapping):
                 return f"{where} must be an object (a dict), not {type(sub).__name__}"
@@ -176,7 +174,28 @@ def resolve_backend(backend: str | None) -> str:
     return name
 
 
-def _listen_on(address: str) -> socket.socket:
+def advertised_address(server_addr: str, advertise_addr: str | None) -> str:
+    """The IP this worker (or agent) gives peers: `advertise_addr`, else the
+    local address of its route to the (first) server.
+
+    Raises:
+        InvalidRequest: `advertise_addr` is not an IP address.
+        ServerUnavailable: the server's host does not resolve or has no route.
+    """
+    if advertise_addr:
+        try:
+            return str(ipaddress.ip_address(advertise_addr))
+        except ValueError:
+            raise InvalidRequest("INVALID_ARGUMENT", f"advertise address {advertise_addr!r} is not an IP address") from None
+    host, port = server_addresses(server_addr)[0]  # of several replicas, the route to the first
+    try:
+        return str(ipaddress.ip_address(route_source_address(host, port)))
+    except OSError as exc:  # e.g. a host name that does not resolve
+        raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: host {host!r}: "
+                                f"{exc.strerror or exc}") from None
+
+
+def listen_on(address: str) -> socket.socket:
     try:
         return listen_socket(address)
     except OSError:  # an address that is not on a local interface (NAT): listen everywhere
@@ -222,15 +241,10 @@ class Membership:
         Raises:
             RendezvousError: the server refused the join or the world did not form in time.
         """
-        host, port = server_addresses(server_addr)[0]  # of several replicas, the route to the first
-        try:
-            address = str(ipaddress.ip_address(advertise_addr or route_source_address(host, port)))
-        except OSError as exc:  # e.g. a host name that does not resolve
-            raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: host {host!r}: "
-                                    f"{exc.strerror or exc}") from None
+        address = advertised_address(server_addr, advertise_addr)
         session = Session(server_addr, tls, token)  # first: a TLS file that cannot be read fails before any socket is held
         try:
-            spare = _listen_on(address)
+            spare = listen_on(address)
         except BaseException:
             session.close(leave=False)
             raise
@@ -261,7 +275,7 @@ class Membership:
             if spare is None or spare.getsockname()[1] != a.master_port:
                 raise CommContextError(f"the server made this worker rank 0 on port {a.master_port}, which it does not hold")
             self._store = _torch.store_on_socket(a.master_addr, a.master_port, a.world_size, self._timeout, spare)
-            self._spare = _listen_on(self.address)
+            self._spare = listen_on(self.address)
             self.session.offer_spare(self._spare.getsockname()[1])
         enter_world(registry, a, self.backend, a.dist_url, self._timeout)
         log.info(

@@ -164,7 +164,7 @@ class Session:
                 if now >= next_warning and deadline - now >= 0.5:  # about to give up: the error says it
                     next_warning = now + UNREACHABLE_WARN_EVERY_S
                     log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s",
-                                addr, now - down_since, why_unreachable(addr) or err.details, deadline - now)
+                                addr, now - down_since, why_unreachable(addr, min(1.0, (deadline - now) / 2)), deadline - now)
                 pause = min(pause, max(0.01, next_warning - now))  # the warning comes on time
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
             attempt += 1
@@ -337,7 +337,6 @@ class Session:
             response = self._endpoints.call("Join", request, timeout_s + 5.0)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
-        self.worker_assignments = tuple(response.worker_assignments)
         return response
 
     def next_assignment(self, timeout_s: float) -> Assignment:

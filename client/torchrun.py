@@ -38,13 +38,14 @@ def handler():
 
     Defined before the torch imports below: importing torch's rendezvous
     package loads every entry point of that group, this one included, so a
-    process that imports this module first finds `handler` already here."""
-    return create_handler
+    process that imports this module first finds `handler` already here, and
+    the creator it returns looks up `create_handler` when called, once this
+    module is whole."""
+    return lambda params: create_handler(params)
 
 
 import contextlib
 import datetime
-import ipaddress
 import json
 import logging
 import os
@@ -52,7 +53,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
@@ -69,12 +70,12 @@ from torch.distributed.elastic.rendezvous.api import (
 from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch, errors
-from .errors import CommContextError, MemberNotFound, RendezvousTimeout, ServerUnavailable
+from .errors import CommContextError, InvalidRequest, MemberNotFound, RendezvousTimeout, ServerUnavailable
 from .launched import WORLD_ENV
-from .lifecycle import LauncherEnv, job_spec_of
-from .netif import interface_of, listen_socket, route_source_address
+from .lifecycle import LauncherEnv, advertised_address, job_spec_of, listen_on
+from .netif import interface_of
 from .session import Session
-from .transport import server_addresses, tls_of
+from .transport import tls_of
 
 log = logging.getLogger("commctx")
 
@@ -107,6 +108,18 @@ def local_world_size(params: RendezvousParameters, argv: list[str] | None = None
     return n
 
 
+def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    """A --rdzv-conf duration in seconds."""
+    value = params.get(key, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0:
+        raise RendezvousError(f"commctx: {key} {value!r} is not a number of seconds")
+    return seconds
+
+
 class CommctxRendezvousHandler(RendezvousHandler):
     """One torchrun agent's membership: its node and its workers."""
 
@@ -117,7 +130,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._run_id = params.run_id
         self._nproc = local_world_size(params)
         self._min_nodes, self._max_nodes = params.min_nodes, params.max_nodes
-        self._join_timeout = float(params.get("join_timeout", 600))
+        self._join_timeout = _seconds(params, "join_timeout", 600)
         self._local_addr = params.local_addr
         launcher = LauncherEnv.from_env(env)
         self._tls = tls_of(None, None, None, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
@@ -150,13 +163,15 @@ class CommctxRendezvousHandler(RendezvousHandler):
                     raw = json.load(f)
             except (OSError, ValueError) as exc:
                 raise RendezvousError(f"commctx: cannot read the spec {path}: {exc}") from None
+            if not isinstance(raw, dict):
+                raise RendezvousError(f"commctx: the spec {path} is not a JSON object (a JobSpec)")
         if self._min_nodes < self._max_nodes:
-            last_call = float(params.get("last_call_timeout", 1))
+            last_call = _seconds(params, "last_call_timeout", 1)
             raw.setdefault("elastic", {"min_size": self._min_nodes * self._nproc, "last_call_ms": round(last_call * 1000)})
         try:
             return job_spec_of(raw, world)
-        except ValueError as exc:  # InvalidRequest: naming the bad key or value
-            raise RendezvousError(f"commctx: {getattr(exc, 'details', exc)} (--nnodes max {self._max_nodes} x --nproc-per-node {self._nproc})") from None
+        except InvalidRequest as exc:  # naming the bad key or value
+            raise RendezvousError(f"commctx: {exc.details} (--nnodes max {self._max_nodes} x --nproc-per-node {self._nproc})") from None
 
     # -- RendezvousHandler -----------------------------------------------------------
 
@@ -177,14 +192,14 @@ class CommctxRendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(f"commctx: the rendezvous of job {self._run_id!r} is closed")
         try:
             if not self._joined:
-                response = self._join()
+                assignments = self._join()
             else:
                 session = self._session
                 change = session.world_change
                 if change is None or change.generation < self._generation:
                     session.request_restart()  # a worker failed: everyone restarts into a fresh world
                 session.next_assignment(self._join_timeout)
-                response = session.current_world(self._request, self._join_timeout)
+                assignments = session.current_world(self._request, self._join_timeout).worker_assignments
         except MemberNotFound as exc:
             self._closed = True
             raise RendezvousClosedError(f"commctx: job {self._run_id!r} cannot go on: {exc.details}") from None
@@ -194,14 +209,10 @@ class CommctxRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"commctx: {exc.details}") from None
         except (CommContextError, errors.RendezvousError) as exc:  # e.g. a conflicting spec, a sealed job
             raise RendezvousError(f"commctx: {exc}") from None
-        return self._enter(response)
+        return self._enter(assignments)
 
-    def _join(self) -> pb.JoinResponse:
-        host, port = server_addresses(self._server)[0]
-        try:
-            address = str(ipaddress.ip_address(self._local_addr or route_source_address(host, port)))
-        except (OSError, ValueError) as exc:
-            raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {self._server}: {exc}") from None
+    def _join(self) -> Sequence[pb.Assignment]:
+        address = advertised_address(self._server, self._local_addr)
         # As CommContext.join does: gloo and NCCL use the interface that carries the
         # advertised address, unless the user chose one (workers inherit this).
         ifname = interface_of(address)
@@ -210,16 +221,16 @@ class CommctxRendezvousHandler(RendezvousHandler):
                 os.environ.setdefault(name, ifname)
         if self._spare is not None:  # an earlier try that failed
             self._spare.close()
-        self._spare = listen_socket(address)
+        self._spare = listen_on(address)
         self._request.address = address
         self._request.master_port = self._spare.getsockname()[1]
         self._session.join(self._request, self._join_timeout)  # one Join: it answers with every worker's assignment
         self._joined = True
-        return pb.JoinResponse(worker_assignments=self._session.worker_assignments)
+        return self._session.worker_assignments
 
-    def _enter(self, response: pb.JoinResponse) -> RendezvousInfo:
+    def _enter(self, assignments: Sequence[pb.Assignment]) -> RendezvousInfo:
         """Serves (node rank 0) or opens this generation's store, and writes the workers' assignments."""
-        first = response.worker_assignments[0]
+        first = assignments[0]
         self._generation = first.generation
         self._session.settle(first.generation)  # a change pushed while we asked is spent if this is it
         self._store = None  # the previous generation's store goes (rank 0: its server closes)
@@ -229,12 +240,12 @@ class CommctxRendezvousHandler(RendezvousHandler):
                 raise RendezvousError(f"commctx: the server made this node rank 0 on port {first.master_port}, "
                                       f"which it does not hold")
             self._store = _torch.store_on_socket(first.master_addr, first.master_port, first.num_nodes, self._timeout, spare)
-            self._spare = listen_socket(self._request.address)  # the next world's
+            self._spare = listen_on(self._request.address)  # the next world's
             self._session.offer_spare(self._spare.getsockname()[1])
         else:
             self._store = dist.TCPStore(first.master_addr, first.master_port, first.num_nodes, False, timeout=self._timeout)
         path = os.path.join(self._dir, f"generation-{first.generation}.pb")
-        world = pb.JoinResponse(worker_assignments=response.worker_assignments)  # no member id or secret
+        world = pb.JoinResponse(worker_assignments=assignments)  # no member id or secret
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(world.SerializeToString())
         if self.world_file and self.world_file != path:  # the previous generation's workers are gone

@@ -345,13 +345,12 @@ class Endpoints:
 
     @property
     def several(self) -> bool:
-        """Whether there is more than one replica to try: a call must then not wait for a dead one (wait_for_ready)."""
+        """Whether there is more than one replica to try."""
         with self._lock:
             return len(self._candidates()) > 1
 
-    @property
-    def stub(self) -> pb_grpc.RendezvousStub:
-        """The stub of the current replica (its channel opens now if it is not open yet)."""
+    def _entry(self) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
+        """The current replica's channel and stub (the channel opens now if it is not open yet)."""
         with self._lock:
             if self._closed:
                 raise ValueError("the channels to the rendezvous server are closed")
@@ -359,14 +358,17 @@ class Endpoints:
             if entry is None:
                 channel = self._open(self._current)
                 entry = self._channels[self._current] = (channel, pb_grpc.RendezvousStub(channel))
-            return entry[1]
+            return entry
+
+    @property
+    def stub(self) -> pb_grpc.RendezvousStub:
+        """The stub of the current replica (its channel opens now if it is not open yet)."""
+        return self._entry()[1]
 
     def connect(self) -> None:
         """Opens the current replica's channel and starts connecting it now
         (without waiting), so that the first call finds it ready."""
-        self.stub  # noqa: B018 - opens the channel
-        with self._lock:
-            channel = self._channels[self._current][0]
+        channel = self._entry()[0]
         channel.subscribe(_ignore, try_to_connect=True)
         channel.unsubscribe(_ignore)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 import uuid
 
@@ -33,18 +34,11 @@ NODES = ("node0", "node1")
 ROLES_PER_NODE = ("trainer", "rollout", "rollout")
 WORLD_SIZE = len(NODES) * len(ROLES_PER_NODE)
 
-# The JobSpec of the job, in its JSON form (proto/commctx/v1/rendezvous.proto);
-# every actor passes the same.
-SPEC = {
-    "roles": [{"role": "trainer", "count": 2}, {"role": "rollout", "count": 4}],
-    "groups": [
-        # Both trainers, job-wide.
-        {"mode": "TRAIN_DATA_PARALLEL", "role_group": {"roles": ["trainer"], "scope": "SCOPE_JOB"}},
-        # Per node: its trainer (the sender, the group's root) and its rollout workers.
-        {"mode": "WEIGHT_TRANSFER", "weight_transfer": {
-            "sender_role": "trainer", "receiver_roles": ["rollout"], "scope": "SCOPE_NODE"}},
-    ],
-}
+# The JobSpec of the job, in its JSON form (proto/commctx/v1/rendezvous.proto): the
+# roles, TRAIN_DATA_PARALLEL over both trainers, and per node a WEIGHT_TRANSFER group
+# of its trainer (the sender, the group's root) and its rollout workers. Every actor
+# passes the same.
+SPEC = json.loads(pathlib.Path(__file__).with_name("rl.json").read_text())
 
 
 @ray.remote(num_cpus=0)  # six actors on a box with few CPUs: they wait on each other more than they compute

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 import urllib.request
 
+import pytest
 
 from commctx.v1 import rendezvous_pb2 as pb
 
@@ -21,6 +23,8 @@ from .test_operate import wait_until
 
 TRAIN = os.path.join(os.path.dirname(WORKER), "torchrun_train.py")
 TTL_S = 3
+
+pytestmark = pytest.mark.timeout(240)  # agents and workers are given up to 120 s
 
 
 def torchrun(server: str, job: str, nnodes: str, ns: str, hostname: str, *script_args: str, conf: str = "") -> Proc:
@@ -100,6 +104,35 @@ def test_a_bad_endpoint_or_spec_is_one_clear_torchrun_error(tmp_path):
     assert "commctx: spec.world_size 3 disagrees with world_size 2 (--nnodes max 1 x --nproc-per-node 2)" in done.stderr
 
 
+def test_bad_rdzv_conf_values_are_one_clear_error(tmp_path):
+    """--rdzv-conf values the handler cannot use: a RendezvousError naming them, before any connection."""
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    spec = tmp_path / "spec.json"
+    spec.write_text("[1]")
+    for conf, said in [({"spec": str(spec)}, f"commctx: the spec {spec} is not a JSON object (a JobSpec)"),
+                       ({"join_timeout": "soon"}, "commctx: join_timeout 'soon' is not a number of seconds"),
+                       ({"last_call_timeout": "-1"}, "commctx: last_call_timeout '-1' is not a number of seconds")]:
+        with pytest.raises(RendezvousError, match=re.escape(said)):
+            handlers("127.0.0.1:1", "bad", (1, 2), keys=("a",), **conf)
+
+
+def test_the_backend_registers_when_a_program_imports_commctx_torchrun_first():
+    """Importing commctx.torchrun loads torch's handler registry, which loads this
+    module's entry point while the module is half-imported: it must still register."""
+    code = ("import commctx.torchrun\n"
+            "from torch.distributed.elastic.rendezvous import RendezvousParameters\n"
+            "from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler\n"
+            "try:\n"
+            "    get_rendezvous_handler(RendezvousParameters(backend='commctx', endpoint='127.0.0.1:1', run_id='x',\n"
+            "                           min_nodes=1, max_nodes=1, nproc_per_node=1, join_timeout='soon'))\n"
+            "except Exception as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Exception while registering" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "RendezvousError commctx: join_timeout 'soon' is not a number of seconds"
+
+
 async def test_worker_assignments_come_with_a_node_join(stub):
     """One Join with workers=3 answers with each worker's assignment."""
     response = await stub.Join(pb.JoinRequest(job_id="nodes", spec=pb.JobSpec(world_size=3), node_key="n0",
@@ -116,7 +149,7 @@ def handlers(server: str, job: str, nnodes: tuple[int, int], keys=("a", "b"), **
 
     return [get_rendezvous_handler(RendezvousParameters(
         backend="commctx", endpoint=server, run_id=job, min_nodes=nnodes[0], max_nodes=nnodes[1], local_addr="127.0.0.1",
-        nproc_per_node=2, node_key=key, join_timeout=30, **conf)) for key in keys]
+        nproc_per_node=2, node_key=key, **{"join_timeout": 30, **conf})) for key in keys]
 
 
 def rendezvous_all(hs: list) -> list:
@@ -133,8 +166,8 @@ def test_the_handler_through_torchs_registry_restarts_and_shrinks():
     a restart after a worker failure (a fresh generation for both, a new store
     port), and a node leaving an elastic job."""
     server = Server("127.0.0.1", f"--lease-ttl-s={TTL_S}")
-    hs = handlers(server.address, "h", (1, 2), last_call_timeout=2)
     with running([server]):
+        hs = handlers(server.address, "h", (1, 2), last_call_timeout=2)
         try:
             first = rendezvous_all(hs)
             assert [r[:2] for r in first] == [(0, 2), (1, 2)] and first[0][2] == first[1][2]

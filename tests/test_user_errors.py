@@ -22,13 +22,7 @@ import pytest
 from commctx import CommCtxError, InvalidRequest, RendezvousError, ServerUnavailable
 
 from .conftest import join_request
-
-
-def closed_port() -> int:
-    """A port nothing listens on: the OS picks a free one, and nobody listens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .etcd import free_port as closed_port  # a free port: nothing listens on it
 
 
 def unreachable_warnings(caplog) -> list[logging.LogRecord]:
@@ -188,4 +182,12 @@ def test_join_refuses_such_a_spec_before_it_calls_the_server():
     with pytest.raises(InvalidRequest, match="unknown key 'world_sise' in spec"):
         CommContext.join(f"127.0.0.1:{closed_port()}", job_id="j", world_size=4, spec={"world_sise": 4}, timeout=30)
     assert time.monotonic() - start < 5
+    assert not CommContext().is_initialized()
+
+
+def test_an_advertise_address_that_is_not_an_ip_is_an_invalid_request():
+    from commctx import CommContext
+
+    with pytest.raises(InvalidRequest, match="advertise address 'worker-7' is not an IP address"):
+        CommContext.join(f"127.0.0.1:{closed_port()}", job_id="j", world_size=1, advertise_addr="worker-7", timeout=30)
     assert not CommContext().is_initialized()
