@@ -80,6 +80,7 @@ def start_loads(target: Callable, n: int, procs: int, *args) -> tuple[list[Conne
         count = share if k < procs - 1 else n - share * (procs - 1)
         process = ctx.Process(target=target, args=(k * share, count, *args, child), daemon=True)
         process.start()
+        child.close()  # the child's end lives on in the child: a crashed one reads as EOFError here, not a hang
         pipes.append(parent)
         processes.append(process)
     return pipes, processes

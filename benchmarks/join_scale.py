@@ -162,7 +162,8 @@ def main() -> None:
     args = p.parse_args()
     how = "one connection per load process" if args.shared else "one connection per worker"
     if args.workers > 1:
-        how += f"; each Join a node membership of {args.workers} workers (the 'workers' column counts Joins)"
+        how = ("one connection per load process" if args.shared else "one connection per Join (node)") + \
+            f"; each Join a node membership of {args.workers} workers (the 'workers' column counts Joins)"
     print(f"# {args.procs} load processes, {how}; servers unpinned; commctx with its SQLite store, etcd: commctx --store etcd "
           "(one replica, its own local etcd)")
     print(f"{'server':<8} {'workers':>8} {'first join -> last assignment (range)':>38} {'server CPU':>11} {'per join':>9}   "

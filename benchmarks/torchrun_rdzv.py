@@ -13,7 +13,7 @@ only once the server has said where rank 0 serves it. In brackets, the
 server's own time from the first node's Join to the world formed (its log),
 and the CPU seconds the server used in the whole run (sessions included).
 The ratio is c10d's time over commctx's first number. commctx: one node RPC per agent
-carrying --nproc-per-node workers, against `commctx-server` with its default
+carrying --nproc-per-node workers, each agent on a TCP connection of its own, against `commctx-server` with its default
 SQLite store, unpinned. c10d: the agents share one TCPStore served by this
 process (torchrun's own rendezvous store), unpinned.
 
@@ -45,6 +45,12 @@ def agents(args: argparse.Namespace) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+    if args.backend == "commctx":
+        from commctx import transport
+
+        # Each agent on a connection of its own, as agents on their own hosts have
+        # (gRPC would otherwise share one among the channels of this process).
+        transport.CHANNEL_OPTIONS.append(("grpc.use_local_subchannel_pool", 1))
     nodes = args.nodes[0]
     handlers = []
     for i in range(args.first, args.first + args.count):
@@ -97,27 +103,30 @@ def measure(backend: str, nodes: int, nproc: int, limit: float) -> str:
     run_id = f"bench-{backend}-{nodes}"
     state = tempfile.TemporaryDirectory()
     server = store = None
-    if backend == "commctx":
-        server = subprocess.Popen([sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0",
-                                   "--state-dir", state.name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        endpoint = f"127.0.0.1:{int(server.stdout.readline().rsplit(':', 1)[1])}"
-        formed: list[str] = []  # the server's own "formed ... seconds=" (its first Join to the world formed)
-
-        def watch(stream=server.stderr) -> None:
-            for line in stream:
-                if " formed " in line and run_id in line:
-                    formed.append(line.rsplit("seconds=", 1)[1].split()[0])
-
-        threading.Thread(target=watch, daemon=True).start()
-    else:
-        import torch.distributed as dist
-
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-        endpoint = f"127.0.0.1:{store.port}"
-    share, extra = divmod(nodes, PROCS)
     procs = []
-    first = 0
     try:
+        if backend == "commctx":
+            server = subprocess.Popen([sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0",
+                                       "--state-dir", state.name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            line = server.stdout.readline()
+            if "listening on" not in line:
+                return f"server did not start: {line!r}"
+            endpoint = f"127.0.0.1:{int(line.rsplit(':', 1)[1])}"
+            formed: list[str] = []  # the server's own "formed ... seconds=" (its first Join to the world formed)
+
+            def watch(stream=server.stderr) -> None:
+                for line in stream:
+                    if " formed " in line and run_id in line:
+                        formed.append(line.rsplit("seconds=", 1)[1].split()[0])
+
+            threading.Thread(target=watch, daemon=True).start()
+        else:
+            import torch.distributed as dist
+
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+            endpoint = f"127.0.0.1:{store.port}"
+        share, extra = divmod(nodes, PROCS)
+        first = 0
         for k in range(PROCS):
             count = share + (k < extra)
             argv = [sys.executable, __file__, "--agents", "--backend", backend, "--endpoint", endpoint, "--run-id", run_id,
@@ -154,7 +163,9 @@ def measure(backend: str, nodes: int, nproc: int, limit: float) -> str:
             return f"wrong world: ranks {ranks[:8]}..., sizes {sorted(sizes)}"
         total = max(r["last"] for r in results) - start_at
         if backend == "commctx":
-            time.sleep(0.2)
+            seen_by = time.monotonic() + 2.0  # the server logs "formed" as it answers: give its log a moment
+            while not formed and time.monotonic() < seen_by:
+                time.sleep(0.01)
             inside = f"[{float(formed[0]):.3f}, cpu {cpu_s(server.pid) - cpu_before:.2f}] " if formed else ""
             return f"{inside}{max(r['known'] for r in results) - start_at:.3f} s / {total:.3f} s"
         return f"{total:.3f} s"
@@ -166,7 +177,6 @@ def measure(backend: str, nodes: int, nproc: int, limit: float) -> str:
         if server is not None:
             server.terminate()
             server.wait(30)
-        store = None
         state.cleanup()
 
 
@@ -185,7 +195,7 @@ def main() -> None:
     if args.agents:
         agents(args)
         return
-    print(f"# {PROCS} load processes of threads, one torchrun handler per agent; server or store unpinned; "
+    print(f"# {PROCS} load processes of threads, one torchrun handler per agent, each on its own connection; server or store unpinned; "
           f"{args.nproc} workers per node; limit {args.limit:g} s")
     print(f"{'nodes':>6} {'workers':>8} " + " ".join(f"{b:>28}" for b in args.backends)
           + ("       ratio" if len(args.backends) == 2 else ""))

@@ -79,7 +79,11 @@ def cluster():
     from .etcd import Etcd, Replicas
 
     etcd = Etcd()
-    replicas = Replicas(etcd)
-    yield replicas
-    replicas.close()
-    etcd.close()
+    try:
+        replicas = Replicas(etcd)
+        try:
+            yield replicas
+        finally:
+            replicas.close()
+    finally:
+        etcd.close()

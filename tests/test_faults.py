@@ -106,11 +106,13 @@ def test_an_ended_job_and_a_lost_lease_are_final_world_changes():
         assert "left" in ended["reason"] and "fewer than the minimum of 2" in ended["reason"], ended
         assert ended["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: job 'left'"), ended
         os.killpg(lost.popen.pid, signal.SIGSTOP)  # no renewals: its lease runs out, and the job fails without it
-        with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.RendezvousStub(channel)
-            wait_until(lambda: stub.DescribeJob(pb.DescribeJobRequest(job_id="lost"), timeout=5).state
-                       == pb.JobDescription.FAILED, TTL + 10, "the stopped worker's lease runs out")
-        os.killpg(lost.popen.pid, signal.SIGCONT)
+        try:
+            with grpc.insecure_channel(server.address) as channel:
+                stub = pb_grpc.RendezvousStub(channel)
+                wait_until(lambda: stub.DescribeJob(pb.DescribeJobRequest(job_id="lost"), timeout=5).state
+                           == pb.JobDescription.FAILED, TTL + 10, "the stopped worker's lease runs out")
+        finally:
+            os.killpg(lost.popen.pid, signal.SIGCONT)
         lost.send("ended")
         gone = lost.event(TTL + 30)
         assert (gone["final"], gone["same"], gone["callbacks"]) == (True, True, 1), gone

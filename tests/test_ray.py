@@ -37,13 +37,11 @@ def test_trainers_and_rollouts_as_ray_actors():
     try:
         # The driver as its own process, as the README runs it: Ray then starts its
         # processes from a clean one, not from this one's gRPC threads.
-        start = time.monotonic()
         driver = subprocess.run([sys.executable, str(EXAMPLE), "--server", server.address, "--job", "ray-rl",
                                  "--timeout", "90", "--json"], capture_output=True, text=True, timeout=170,
                                 env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1"})
         assert driver.returncode == 0, driver.stderr[-4000:]
         reports = json.loads(driver.stdout.strip().splitlines()[-1])
-        print(f"examples/ray_rl.py: {time.monotonic() - start:.1f} s")
 
         # Who is who: returned in the driver's order, node0's three then node1's.
         assert [(r["node_key"], r["role"]) for r in reports] == [
