@@ -29,7 +29,7 @@ from .rendezvous.etcd import EtcdConfig, EtcdStore
 from .rendezvous.model import Limits
 from .rendezvous.sqlite import SqliteStore
 from .rendezvous.store import Store, StoreError
-from .rpc.app import ServerTls, start_server
+from .rpc.app import ListenError, ServerTls, start_server
 from .rpc.auth import Callers
 from .telemetry import configure_logging
 
@@ -201,9 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreError as exc:
         print(f"commctx-server: {exc}", file=sys.stderr)
         return 1
-    except RuntimeError as exc:  # a port taken between the check above and the bind
-        if not str(exc).startswith("cannot listen on"):
-            raise
+    except ListenError as exc:  # a port taken between the check above and the bind
         print(f"commctx-server: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
     except OSError as exc:  # the metrics port, likewise

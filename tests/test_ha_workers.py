@@ -42,5 +42,3 @@ def test_workers_keep_their_world_across_a_leader_kill(cluster: Replicas):
         assert [w.event(60)["sums"] for w in workers] == [r["sums"] for r in joined]
         for w in workers:
             assert "is changing" not in w.log() and "membership of" not in w.log(), w.log()
-
-

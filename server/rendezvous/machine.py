@@ -702,8 +702,6 @@ class Rendezvous:
         node.workers -= member.workers
         node.roles[member.role] -= member.workers
         job.role_counts[member.role] -= member.workers
-        if node.agent == member_id:
-            node.agent = ""
         if member.local_rank is not None:
             node.local_ranks.pop(member.local_rank, None)
         if node.workers == 0:
@@ -810,8 +808,7 @@ class Rendezvous:
     def describe(self, job_id: str, secret: str | None = None, first_node: int = 0, max_nodes: int | None = None) -> JobView:
         """The job as DescribeJob reports it, with nodes [first_node, first_node
         + max_nodes) of its order; for a sealed job, given its secret (None: not
-        checked, for operators and the server itself). Costs O(max_nodes), plus
-        one sort of the nodes after each change of who is in the job.
+        checked, for operators and the server itself). Costs what _node_page does.
 
         Raises:
             NotFound: an unknown job.
@@ -832,8 +829,9 @@ class Rendezvous:
     def _node_page(job: Job, first: int, count: int | None) -> list[tuple[str, int | None]]:
         """Nodes [first, first + count) of the job's DescribeJob order, with their
         node ranks: the formed world's in node-rank order, then the others in the
-        order they joined. Costs O(first + count): the first page of a job of
-        100,000 nodes is as cheap after a change as before it."""
+        order they joined. A page among the world's nodes costs O(first + count):
+        the first page of a job of 100,000 nodes is as cheap after a change as
+        before it. A page past them also walks the nodes present once."""
         stop = None if count is None else first + count
         if job.state is not JobState.FORMED:
             return [(k, job.nodes[k].node_rank) for k in itertools.islice(job.nodes, first, stop)]

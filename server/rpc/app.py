@@ -289,13 +289,17 @@ class ServerTls:
             [(self.key, self.cert_chain)], root_certificates=self.client_ca, require_client_auth=self.client_ca is not None)
 
 
+class ListenError(RuntimeError):
+    """A port the server cannot bind."""
+
+
 def _listen(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None = None) -> int:
     try:
         if tls is not None:
             return server.add_secure_port(host_port(host, port), tls.credentials())
         return server.add_insecure_port(host_port(host, port))
     except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen on {host_port(host, port)}: {exc}") from exc
+        raise ListenError(f"cannot listen on {host_port(host, port)}: {exc}") from exc
 
 
 async def start_server(
