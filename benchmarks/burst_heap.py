@@ -16,6 +16,7 @@ statistics to a file.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -67,7 +68,9 @@ def heap_stats(pid: int, path: str) -> dict[str, int]:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("n", nargs="?", type=int, default=10_000, metavar="N", help="workers that join the one job (default 10,000)")
+    n = p.parse_args().n
     with tempfile.TemporaryDirectory() as state:
         stats_path = os.path.join(state, "heap.txt")
         os.environ["BURST_HEAP_STATS"] = stats_path

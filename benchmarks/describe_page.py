@@ -7,6 +7,7 @@ page again, and a page near the end. Each page is 1,000 nodes.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from commctx.server.planning import JobSpec
@@ -17,6 +18,7 @@ NODES = 100_000
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     machine = Rendezvous(lease_ttl_s=10, plan_inline_max=10**9)
     spec = JobSpec.from_json({"world_size": NODES + 10, "elastic": {"min_size": NODES, "last_call_ms": 0}})
     for i in range(NODES):

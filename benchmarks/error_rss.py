@@ -9,6 +9,7 @@ grow the server). One client connection, 4 calls in flight; the server is
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 
@@ -64,6 +65,7 @@ async def measure(address: str, pid: int) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"# {CALLS:,} calls of each kind after {WARMUP:,} to warm up; RSS growth over them, 5 s after the last")
     with commctx_server("--store", "memory", "--max-jobs", "1") as server:
         asyncio.run(measure(server.address, server.proc.pid))

@@ -11,6 +11,7 @@ timer) over the burst, and the Joins' latencies. Server unpinned.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
@@ -51,6 +52,7 @@ async def burst(address: str, first: int) -> list[float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     size = spec(0).ByteSize()
     print(f"# {JOBS} Joins at once, each with its own spec of {RULES} rules ({size:,} bytes); commctx-server --store memory;")
     print("# 3 bursts, 12 s apart (the lag gauge covers the last 10 s); 'idle' is the gauge just before each burst")
