@@ -102,7 +102,7 @@ async def main_async(n: int, ttl: float) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--members", type=int, default=1000)
     p.add_argument("--lease-ttl-s", type=float, default=10.0)
     args = p.parse_args()

@@ -80,7 +80,7 @@ def free_port() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     ctx = mp.get_context("spawn")

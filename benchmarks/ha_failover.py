@@ -114,7 +114,7 @@ async def run(ttl: float) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--election-ttl-s", type=float, default=5.0)
     args = p.parse_args()

@@ -42,7 +42,7 @@ async def fill(address: str, members: int, jobs: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--members", type=int, default=100_000)
     p.add_argument("--jobs", type=int, default=10_000)
     p.add_argument("--seconds", type=float, default=30.0)

@@ -136,7 +136,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=100_000)
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--channels", type=int, default=250, help="connections per load process")

@@ -52,7 +52,7 @@ def worker(index: int, server: str, ports: list[int], rounds: int, barrier, resu
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     with server("--log-level", "warning", "--store", "memory", cpu=None) as (_, port):

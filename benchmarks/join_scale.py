@@ -152,7 +152,7 @@ def wait_serving(address: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sizes", nargs="*", type=int, default=[10_000])
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--shared", action="store_true", help="one connection per load process instead of one per worker")

@@ -231,7 +231,7 @@ def measure(kind: str, n: int, procs: int, channels: int, ttl: float) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--members", type=int, default=10_000)
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--channels", type=int, default=25, help="connections per load process")

@@ -114,7 +114,7 @@ class Relay(pb_grpc.RendezvousServicer):
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--lease-ttl-s", type=float, default=10.0)

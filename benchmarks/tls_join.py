@@ -158,7 +158,7 @@ def certificates(directory: str, key_type: str) -> dict[str, str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=10_000)
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
