@@ -3,9 +3,13 @@ in brackets, and IP literals in canonical form. Pure: no I/O."""
 
 from __future__ import annotations
 
+import re
 import socket
 
+from .errors import InvalidArgument
+
 DEFAULT_PORT = 50051
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # 'http://', 'grpc://', ...: a URL, not host:port
 
 
 def host_port(host: str, port: int) -> str:
@@ -16,14 +20,23 @@ def host_port(host: str, port: int) -> str:
 def split_address(server_addr: str) -> tuple[str, int]:
     """'host:port', '[v6]:port' or 'host' -> (host, port).
 
+    gRPC's own 'dns:///host:port' is accepted too; any other scheme
+    ('http://', 'grpc://', 'https://') is refused.
+
     Raises:
-        ValueError: the address is empty or its port is not a number in 1..65535.
+        InvalidArgument (a ValueError): the address is empty, has a URL
+            scheme, or its port is not a number in 1..65535.
     """
+    if not isinstance(server_addr, str):
+        raise InvalidArgument(f"server address must be a 'host:port' string, not {type(server_addr).__name__}")
     addr = server_addr.strip()
     if addr.startswith("dns:///"):
         addr = addr[len("dns:///"):]
     if not addr:
-        raise ValueError("server address is empty")
+        raise InvalidArgument("server address is empty: give host:port (e.g. 127.0.0.1:50051)")
+    scheme = _SCHEME.match(addr)
+    if scheme:
+        raise InvalidArgument(f"server address {_shown(server_addr)} has a URL scheme: drop {scheme.group(0)!r} and give host:port")
     if addr.startswith("["):
         host, _, rest = addr[1:].partition("]")
         port_s = rest[1:] if rest.startswith(":") else ""
@@ -31,13 +44,22 @@ def split_address(server_addr: str) -> tuple[str, int]:
         host, port_s = addr.split(":")
     else:
         host, port_s = addr, ""
-    try:
-        port = int(port_s) if port_s else DEFAULT_PORT
-    except ValueError:
-        raise ValueError(f"server address {server_addr!r}: port {port_s!r} is not a number") from None
-    if not host or not 1 <= port <= 65535:
-        raise ValueError(f"server address {server_addr!r} is not host:port with a port in 1..65535")
+    if port_s and not (port_s.isascii() and port_s.isdigit()):
+        raise InvalidArgument(f"server address {_shown(server_addr)}: port {port_s[:20]!r} is not a number; "
+                              f"give host:port with a port in 1..65535")
+    port = int(port_s) if port_s else DEFAULT_PORT
+    if not host:
+        raise InvalidArgument(f"server address {_shown(server_addr)} has no host: give host:port")
+    if not 1 <= port <= 65535:
+        raise InvalidArgument(f"server address {_shown(server_addr)}: port {port} is out of range; give host:port "
+                              f"with a port in 1..65535")
     return host, port
+
+
+def _shown(value: str) -> str:
+    """repr() of an address, cut to about 100 characters."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def canonical_ip(value: str) -> tuple[str, bool]:

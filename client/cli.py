@@ -3,10 +3,14 @@
     commctx plan     print every rank and group of a described world (dry run)
     commctx health   ask a server's grpc.health.v1 service (exit 0 when SERVING)
     commctx status   jobs, members per node, who is missing and why
+    commctx --version
 
 `plan` runs the server's own planning code on a world you describe, so what it
-prints is what the server would assign. It imports only the server's pure
-planner (`commctx.server.planning`); health and status are gRPC clients.
+prints is what the server would assign, and it refuses, with one line, what
+the server would refuse: a world the planner cannot form, and workers whose
+roles the spec does not allow (a spec that declares roles, or whose groups
+name roles, needs --node-roles). It imports only the server's pure planner
+(`commctx.server.planning`); health and status are gRPC clients.
 
 --addr may list the replicas of a highly available server, comma-separated.
 `status` asks the leader (found as the workers find it: see
@@ -16,6 +20,7 @@ transport.Endpoints); `health` probes each address given, as given.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -30,11 +35,21 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from commctx.server.errors import RendezvousError
-from commctx.server.planning import Candidate, JobSpec, PlanError, WorldPlan, expand, plan_world
+from commctx.server.planning import (
+    Candidate,
+    JobSpec,
+    PlanError,
+    RoleGroup,
+    WeightTransfer,
+    WorldPlan,
+    check_role,
+    expand,
+    plan_world,
+)
 
 from .addresses import DEFAULT_PORT, host_port
-from .errors import CommContextError
-from .transport import Endpoints, LeaderStub, Tls, channel_to, server_addresses, tls_of
+from .errors import CommContextError, InvalidArgument
+from .transport import Endpoints, LeaderStub, Tls, channel_to, check_token, server_addresses, tls_of
 
 
 def default_address(env: Mapping[str, str] | None = None) -> str:
@@ -57,12 +72,23 @@ def connection(args: argparse.Namespace, env: Mapping[str, str] | None = None) -
     """The address (or comma-separated addresses), TLS and token the arguments and environment ask for.
 
     Raises:
+        InvalidArgument (a CommContextError): --addr is not host:port (a URL,
+            a port out of range), or --token / COMMCTX_TOKEN is malformed.
         CommContextError: a certificate came without its key.
     """
     env = os.environ if env is None else env
     tls = tls_of(args.tls_ca, args.tls_cert, args.tls_key,
                  env.get("COMMCTX_TLS_CA"), env.get("COMMCTX_TLS_CERT"), env.get("COMMCTX_TLS_KEY"))
-    return args.addr or default_address(env), tls, args.token or env.get("COMMCTX_TOKEN")
+    addr = args.addr if args.addr is not None else default_address(env)
+    try:
+        server_addresses(addr)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"--addr: {exc}" if args.addr is not None else f"COMMCTX_PORT: {exc}") from None
+    if args.token is not None:
+        token = check_token(args.token, "--token")
+    else:
+        token = check_token(env["COMMCTX_TOKEN"], "COMMCTX_TOKEN") if env.get("COMMCTX_TOKEN") else None
+    return addr, tls, token
 
 
 def connect(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> tuple[str, Endpoints]:
@@ -182,7 +208,67 @@ def plan_from_args(args: argparse.Namespace) -> WorldPlan:
         for n, size in enumerate(sizes)
         for l in range(size)
     ]
+    check_roles(spec, sizes, node_roles)
     return plan_world(members, spec)
+
+
+def check_roles(spec: JobSpec, sizes: Sequence[int], node_roles: Sequence[str]) -> None:
+    """Refuses what the server would refuse when these workers join: roles
+    the spec does not allow. `node_roles` (--node-roles) gives each node's
+    workers their roles by local rank; [] when not given.
+
+    Raises:
+        SystemExit: the spec declares roles, or its groups name roles, and
+            --node-roles is missing (the plan would hold empty groups).
+        RendezvousError: a role name is malformed (the server's own check).
+        PlanError: a worker has a role the spec does not declare (the server
+            refuses its join: JobConflict), or more workers have a role than
+            the spec declares (the server refuses the extra ones: JobFull).
+    """
+    for role in dict.fromkeys(node_roles):
+        if role:
+            check_role(role)
+    if not spec.roles:  # undeclared roles are free: the server takes any
+        named = [r for rule in spec.rules for r in _roles_named(rule)]
+        if named and not node_roles:
+            raise SystemExit(f"commctx plan: the spec's groups name roles {', '.join(dict.fromkeys(named))} but no "
+                             f"worker has a role, so those groups would be empty: give --node-roles, the roles of "
+                             f"each node's workers by local rank")
+        return
+    declared = ", ".join(f"{r}:{c}" for r, c in spec.roles)
+    if not node_roles:
+        raise SystemExit(f"commctx plan: the spec declares roles {declared}, so every worker needs one: give "
+                         f"--node-roles, the roles of each node's workers by local rank{_node_roles_example(spec, sizes)}")
+    for local_rank, role in enumerate(node_roles[:max(sizes)]):
+        if spec.role_count(role) == 0:
+            raise PlanError(f"the spec declares roles {declared} but --node-roles gives local rank {local_rank} "
+                            f"role {role!r}; the server refuses such a worker's join")
+    counts: dict[str, int] = {}
+    for size in sizes:
+        for role in node_roles[:size]:
+            counts[role] = counts.get(role, 0) + 1
+    for role, count in spec.roles:
+        if counts.get(role, 0) > count:
+            got = ", ".join(f"{r}:{counts.get(r, 0)}" for r, _ in spec.roles)
+            raise PlanError(f"the spec declares roles {declared} but --node-roles makes {got}; the server refuses "
+                            f"the workers of role {role!r} beyond its {count}")
+
+
+def _roles_named(rule: object) -> tuple[str, ...]:
+    if isinstance(rule, RoleGroup):
+        return rule.roles
+    if isinstance(rule, WeightTransfer):
+        return (rule.sender, *rule.receivers)
+    return ()
+
+
+def _node_roles_example(spec: JobSpec, sizes: Sequence[int]) -> str:
+    """' (e.g. --node-roles trainer,rollout,rollout)' when every node can hold the same roles, else ''."""
+    nodes = len(sizes)
+    if len(set(sizes)) != 1 or any(c % nodes for _, c in spec.roles):
+        return ""
+    example = [r for r, c in spec.roles for _ in range(c // nodes)]
+    return f" (e.g. --node-roles {','.join(example)})" if len(example) == sizes[0] else ""
 
 
 def plan_json(plan: WorldPlan) -> dict:
@@ -384,8 +470,17 @@ def _status(args: argparse.Namespace) -> int:
         endpoints.close()
 
 
+def version() -> str:
+    """'commctx <version>' of the installed distribution."""
+    try:
+        return f"commctx {importlib.metadata.version('commctx')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "commctx (version unknown: the commctx distribution is not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commctx", description="commctx command-line tools")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(required=True, metavar="command")
     add_plan_parser(sub)
     add_health_parser(sub)

@@ -21,14 +21,24 @@ import torch.distributed as dist
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
-from .errors import CommContextError, GroupNotFound, MemberNotFound
+from .errors import CommContextError, GroupNotFound, InvalidArgument, MemberNotFound
 from .launched import LaunchedWorker
-from .lifecycle import DESTROY_TIMEOUT_S, LauncherEnv, Membership, job_spec_of, resolve_backend
+from .lifecycle import (
+    DESTROY_TIMEOUT_S,
+    LauncherEnv,
+    Membership,
+    check_backend,
+    check_count,
+    check_job_secret,
+    check_seconds,
+    job_spec_of,
+    resolve_backend,
+)
 from .modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange
-from .transport import tls_of
+from .transport import check_token, server_addresses, tls_of
 
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 
@@ -111,9 +121,10 @@ class CommContext:
                 every worker of the job passes the same.
             advertise_addr: IP peers reach this worker on; default: the local
                 address of the route to the server.
-            backend: 'auto' (NCCL with CUDA, else gloo), 'nccl' or 'gloo'.
-            timeout: Seconds to wait for the world to form.
-            collective_timeout: torch.distributed timeout in seconds.
+            backend: 'auto' (NCCL with CUDA, else gloo), 'nccl', 'gloo', or
+                another backend of torch.distributed.Backend.
+            timeout: Seconds to wait for the world to form (positive).
+            collective_timeout: torch.distributed timeout in seconds (positive).
             on_world_changed: Called (from the session thread; keep it quick)
                 when the server re-forms the world; see rejoin().
             tls_ca: PEM file of the CA that signed the server's certificate:
@@ -122,53 +133,85 @@ class CommContext:
                 for a server that requires client certificates (default:
                 COMMCTX_TLS_CERT, COMMCTX_TLS_KEY).
             token: The bearer token of a server started with --auth-tokens
-                (default: COMMCTX_TOKEN).
+                (default: COMMCTX_TOKEN): printable ASCII without spaces.
             job_secret: Seals the job (the first worker's join) so that only
                 workers with the same secret can join or describe it
-                (default: COMMCTX_JOB_SECRET; neither: an open job).
+                (default: COMMCTX_JOB_SECRET; neither: an open job): 16-256
+                printable ASCII characters without spaces.
 
         Raises:
-            CommContextError: this process is already initialised, or a TLS
-                file cannot be read.
+            InvalidArgument (a CommContextError and a ValueError): an argument,
+                or the variable standing for it, cannot be right: a backend
+                torch does not have, a timeout or collective_timeout that is
+                not a positive number of seconds, a world_size that is not a
+                positive integer, a server address that is not host:port (a
+                URL, a port out of range), a malformed token or job secret.
+                Raised before any wait or network call.
+            CommContextError: this process is already initialised, no server
+                or job is given, NCCL without a CUDA device, or a TLS file
+                cannot be read.
+            InvalidRequest: a `spec` dict that is not a JobSpec (before any call).
             RendezvousError: the server refused the join or the world did not
                 form in time (subclasses say which; see commctx.errors).
         """
         ctx = cls()
         if ctx._membership is not None or ctx.is_initialized():
             raise CommContextError("CommContext is already initialised in this process; call destroy() first")
+        # Arguments that cannot be right fail here, at the call: before any wait or network call.
+        backend = resolve_backend(backend)
+        check_seconds("timeout", timeout, "how long to wait for the world to form")
+        check_seconds("collective_timeout", collective_timeout, "torch.distributed's timeout")
+        check_count("local_rank", local_rank, "this worker's rank in its node", minimum=0, optional=True)
+        check_count("node_rank", node_rank, "this node's rank", minimum=0, optional=True)
         launcher = LauncherEnv.from_env()
         if launcher.torchrun_world:  # torchrun --rdzv-backend=commctx: the agent joined for this worker
+            check_count("world_size", world_size, "the number of workers in the job", optional=True)
             if on_world_changed is not None:
                 raise CommContextError("on_world_changed is not available under torchrun: its agent restarts the "
                                        "workers into the next world")
             try:
                 ctx._membership = LaunchedWorker.from_launcher(
-                    launcher, job_id=job_id, world_size=world_size, backend=resolve_backend(backend),
+                    launcher, job_id=job_id, world_size=world_size, backend=backend,
                     collective_timeout_s=collective_timeout)
                 ctx._membership.enter(ctx._registry)
             except BaseException:
                 ctx.destroy()
                 raise
             return ctx
+        addr_source = "server_addr" if server_addr else "COMMCTX_SERVER"
         server_addr = server_addr or launcher.server
         job_id = job_id or launcher.job_id
         if not server_addr:
             raise CommContextError("no rendezvous server: pass server_addr or set COMMCTX_SERVER=host:port")
         if not job_id:
             raise CommContextError("no job: pass job_id or set COMMCTX_JOB_ID")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
+        if not isinstance(job_id, str):
+            raise InvalidArgument(f"job_id must be a string, not {type(job_id).__name__}")
+        check_count("world_size", world_size, "the number of workers in the job")
+        try:
+            server_addresses(server_addr)
+        except InvalidArgument as exc:
+            if addr_source == "server_addr":
+                raise
+            raise InvalidArgument(f"COMMCTX_SERVER: {exc}") from None
+        if token is not None:
+            check_token(token, "token=")
+        elif launcher.token is not None:
+            token = check_token(launcher.token, "COMMCTX_TOKEN")
+        if job_secret is not None:
+            check_job_secret(job_secret, "job_secret=")
+        elif launcher.job_secret is not None:
+            job_secret = check_job_secret(launcher.job_secret, "COMMCTX_JOB_SECRET")
         request = pb.JoinRequest(
             job_id=job_id, spec=job_spec_of(spec, world_size), role=role or "",
-            job_secret=job_secret or launcher.job_secret or "",
+            job_secret=job_secret or "",
             node_key=node_key or socket.gethostname(), local_rank=local_rank, node_rank=node_rank,
         )
         tls = tls_of(tls_ca, tls_cert, tls_key, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
         try:
             membership = ctx._membership = Membership.join(
-                server_addr, request, advertise_addr=advertise_addr, backend=resolve_backend(backend),
-                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls,
-                token=token or launcher.token)
+                server_addr, request, advertise_addr=advertise_addr, backend=backend,
+                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls, token=token)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
             membership.enter(ctx._registry)
@@ -204,11 +247,13 @@ class CommContext:
         possible.
 
         Raises:
+            InvalidArgument: `timeout` is not a positive number of seconds.
             CommContextError: this process did not join, or no change is pending.
             MemberNotFound: the server says this member is gone or the job
                 cannot continue (the message says why).
             RendezvousTimeout: no new world within `timeout`.
         """
+        check_seconds("timeout", timeout, "how long to wait for the next world")
         membership = self._joined()
         change = membership.session.world_change
         if change is None:
@@ -245,16 +290,19 @@ class CommContext:
         Args:
             world_size: Global world size (None: from the init method).
             rank: Global rank of this process (None: from the init method).
-            backend: 'nccl', 'gloo' or 'auto'.
+            backend: 'nccl', 'gloo', 'auto', or another backend of torch.distributed.Backend.
             dist_url: torch init method, e.g. 'env://' or 'tcp://host:port'.
-            timeout: Timeout in seconds for initialisation and collectives.
+            timeout: Timeout in seconds for initialisation and collectives (positive).
 
         Raises:
+            InvalidArgument: a backend torch does not have, or a timeout that
+                is not a positive number of seconds (before anything starts).
             CommContextError: already initialised, or NCCL without a usable GPU.
         """
         if self.is_initialized():
             raise CommContextError("torch.distributed is already initialised by CommContext; call destroy() first")
         backend = resolve_backend(backend)
+        check_seconds("timeout", timeout, "torch.distributed's timeout")
         local_rank = self.get_in_node_rank() if backend == "nccl" else None
         self._registry.register(init_world(world_size, rank, backend, dist_url, datetime.timedelta(seconds=timeout), local_rank))
 
@@ -278,10 +326,12 @@ class CommContext:
             use_cpu: Use gloo, for CPU tensors, whatever `backend` says.
 
         Raises:
+            InvalidArgument: a backend torch does not have.
             CommContextError: not initialised.
             ValueError: `mode` is missing, or `ranks` is empty, repeats a rank or
                 names one outside the world.
         """
+        check_backend(backend)
         key = mode_key(mode)
         world_size = self.get_world_size(GLOBAL)
         members = sorted({int(r) for r in ranks})

@@ -1,7 +1,10 @@
 """Every error commctx raises, in one hierarchy.
 
 Server answers become `RendezvousError` subclasses in one place
-(`commctx.transport.error_from_rpc`); local misuse raises `CommContextError`.
+(`commctx.transport.error_from_rpc`); local misuse raises `CommContextError`,
+and an argument that cannot be right (a backend torch does not know, a
+timeout of -1, a server address with a URL scheme) its subclass
+`InvalidArgument`, at the call, before any wait or network call.
 """
 
 from __future__ import annotations
@@ -14,6 +17,15 @@ class CommCtxError(Exception):
 class CommContextError(CommCtxError):
     """CommContext was used in a way its state does not allow (not initialised,
     already initialised, a value it cannot know)."""
+
+
+class InvalidArgument(CommContextError, ValueError):
+    """An argument (or the variable standing for it) cannot be right: a backend
+    torch does not know, a world size or timeout that is not positive, a server
+    address that is not host:port, a malformed token or job secret. Raised at
+    the call, before any wait or network call; the one-line message names the
+    argument and says what is expected (never a secret's value). Also a
+    ValueError, as these were before."""
 
 
 class GroupNotFound(CommContextError, KeyError):

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import ipaddress
 import logging
+import math
 import os
 import socket
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -26,7 +29,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch
 from .assignment import Assignment
-from .errors import CommContextError, InvalidRequest, ServerUnavailable
+from .errors import CommContextError, InvalidArgument, InvalidRequest, ServerUnavailable
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
@@ -36,6 +39,10 @@ from .transport import Tls, server_addresses
 log = logging.getLogger("commctx")
 
 DESTROY_TIMEOUT_S = 10.0
+
+# Variables renamed: the old name is still read, with a warning, when the new one is not set.
+RENAMED_VARIABLES = {"COMMCTX_JOB_ID": "COMMCTX_JOB"}
+_warned_renamed: set[str] = set()  # old names warned about in this process (once each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +66,17 @@ class LauncherEnv:
     token: str | None = None  # COMMCTX_TOKEN: the bearer token the server requires
     job_secret: str | None = None  # COMMCTX_JOB_SECRET: seals the job (the first join) or opens it
     server: str | None = None  # COMMCTX_SERVER: the rendezvous server's host:port (or replica list)
-    job_id: str | None = None  # COMMCTX_JOB_ID: the job to join
+    job_id: str | None = None  # COMMCTX_JOB_ID (formerly COMMCTX_JOB, still read): the job to join
     torchrun_world: str | None = None  # COMMCTX_TORCHRUN_WORLD under torchrun: the agent's file of assignments
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
-        """Reads the launcher variables.
+        """Reads the launcher variables. An empty variable counts as unset.
+
+        COMMCTX_JOB, the job's variable in commctx's own example and compose
+        file before it was named COMMCTX_JOB_ID, is still read when
+        COMMCTX_JOB_ID is not set: with a DeprecationWarning and (once per
+        process) a warning on the `commctx` logger naming the new variable.
 
         Raises:
             CommContextError: LOCAL_RANK or LOCAL_WORLD_SIZE (under torchrun
@@ -100,9 +112,23 @@ class LauncherEnv:
             token=env.get("COMMCTX_TOKEN") or None,
             job_secret=env.get("COMMCTX_JOB_SECRET") or None,
             server=env.get("COMMCTX_SERVER") or None,
-            job_id=env.get("COMMCTX_JOB_ID") or None,
+            job_id=_renamed(env, "COMMCTX_JOB_ID"),
             torchrun_world=torchrun_world,
         )
+
+
+def _renamed(env: Mapping[str, str], name: str) -> str | None:
+    """The value of variable `name`, else of its old name (RENAMED_VARIABLES), with a warning."""
+    value = env.get(name) or None
+    old = RENAMED_VARIABLES[name]
+    if value is None and env.get(old):
+        message = f"{old} is deprecated: set {name} instead ({old} is read only while {name} is unset)"
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        if old not in _warned_renamed:
+            _warned_renamed.add(old)
+            log.warning("%s", message)
+        value = env[old]
+    return value
 
 
 def job_spec_of(spec: Mapping[str, Any] | pb.JobSpec | None, world_size: int) -> pb.JobSpec:
@@ -160,18 +186,139 @@ def _spec_problem(value: Mapping[str, Any], descriptor: Any, path: str) -> str:
     return ""
 
 
-def resolve_backend(backend: str | None) -> str:
-    """'auto' (or None) -> 'nccl' when CUDA is available, else 'gloo'.
+def torch_backends() -> tuple[list[str], list[str]]:
+    """The backends this torch knows (torch.distributed.Backend's list, with
+    third-party ones registered; not 'undefined'), and those of them built
+    into it, as far as torch can tell."""
+    known = [b for b in dist.Backend.backend_list if b != dist.Backend.UNDEFINED]
+    built = []
+    for b in known:
+        try:
+            if hasattr(dist, "is_backend_available"):  # torch >= 2.3: plugins too
+                ok = dist.is_backend_available(b)
+            else:
+                check = getattr(dist, f"is_{b}_available", None)
+                ok = check() if check is not None else True
+        except Exception:  # noqa: BLE001 - a plugin's own check failing: not available
+            ok = False
+        if ok:
+            built.append(b)
+    return known, built
+
+
+_TEST_BACKENDS = ("fake",)  # torch's backend for tests: accepted, never suggested
+
+
+def check_backend(backend: str | None) -> str:
+    """The lower-cased name of `backend` ('auto' for None), when torch knows it.
+
+    Accepts 'auto', a backend of torch.distributed.Backend (gloo, nccl, ucc,
+    mpi, xccl and registered third-party ones), or torch's per-device form
+    'cpu:gloo,cuda:nccl' of those.
 
     Raises:
+        InvalidArgument: torch knows no such backend (the message lists those
+            it has and suggests the closest name), or this torch was built
+            without it.
+    """
+    if backend is None:
+        return "auto"
+    if not isinstance(backend, str):
+        raise InvalidArgument(f"backend must be a string such as 'auto', 'gloo' or 'nccl', not {type(backend).__name__}")
+    name = backend.strip().lower()
+    if name == "auto":
+        return name
+    known, built = torch_backends()
+    shown = [b for b in known if b not in _TEST_BACKENDS]
+    parts = [p.partition(":")[2] if ":" in p else p for p in name.split(",")] if ":" in name else [name]
+    for part in parts:
+        if part not in known:
+            close = difflib.get_close_matches(part, [*shown, "auto"], n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InvalidArgument(
+                f"backend {backend[:64]!r} is not a torch.distributed backend{hint}: give 'auto' or one of "
+                f"{', '.join(shown)} (built into this torch {torch.__version__}: "
+                f"{', '.join(b for b in built if b not in _TEST_BACKENDS) or 'none'})")
+        if part not in built and part != "nccl":  # nccl without CUDA: resolve_backend says why
+            raise InvalidArgument(
+                f"backend {part!r} is not built into this torch ({torch.__version__}): give 'auto' or one of "
+                f"{', '.join(b for b in built if b not in _TEST_BACKENDS) or 'none'}")
+    return name
+
+
+def resolve_backend(backend: str | None) -> str:
+    """'auto' (or None) -> 'nccl' when CUDA is available, else 'gloo'; any
+    other name as check_backend accepts it.
+
+    Raises:
+        InvalidArgument: torch has no such backend (see check_backend).
         CommContextError: 'nccl' was asked for but no CUDA device is visible.
     """
-    name = (backend or "auto").lower()
+    name = check_backend(backend)
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
         raise CommContextError("backend 'nccl' needs a CUDA device and none is visible; use 'gloo' or 'auto'")
     return name
+
+
+def check_seconds(name: str, value: float, what: str) -> float:
+    """Returns `value` if it is a positive, finite number of seconds.
+
+    Raises:
+        InvalidArgument: it is not (the message names `name` and says `what` it is).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive number of seconds ({what}), not {_shown(value)}")
+    return value
+
+
+def check_count(name: str, value: int | None, what: str, *, minimum: int = 1, optional: bool = False) -> int | None:
+    """Returns `value` if it is an integer >= `minimum` (None too when `optional`).
+
+    Raises:
+        InvalidArgument: it is not (a bool, a string, a float or too small).
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        given = "not given" if value is None else f"not {_shown(value)}"
+        raise InvalidArgument(f"{name} must be {kind} ({what}), {given}")
+    return value
+
+
+JOB_SECRET_MIN, JOB_SECRET_MAX = 16, 256
+
+
+def check_job_secret(secret: str, source: str) -> str:
+    """Returns `secret` if it can seal a job: 16-256 printable ASCII characters
+    without spaces. `source` names where it came from ("job_secret=",
+    "COMMCTX_JOB_SECRET").
+
+    Raises:
+        InvalidArgument: one line naming `source` and what is wrong, with the
+            secret's length but never the secret itself.
+    """
+    if not isinstance(secret, str):
+        raise InvalidArgument(f"{source}: a job secret is a string, not {type(secret).__name__}")
+    rule = f"a job secret is {JOB_SECRET_MIN}-{JOB_SECRET_MAX} printable ASCII characters without spaces"
+    if not secret:
+        raise InvalidArgument(f"{source} is empty: {rule}, or leave it out for an open job")
+    problem = ("has a space" if any(c.isspace() for c in secret) else
+               "has a non-ASCII character" if not secret.isascii() else
+               "has a control character" if not secret.isprintable() else
+               "is too short" if len(secret) < JOB_SECRET_MIN else
+               "is too long" if len(secret) > JOB_SECRET_MAX else "")
+    if problem:
+        length = f"{len(secret)} character{'s' * (len(secret) != 1)}"
+        raise InvalidArgument(f"{source} is not a usable job secret ({length}; it {problem}): {rule}")
+    return secret
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def advertised_address(server_addr: str, advertise_addr: str | None) -> str:
@@ -180,6 +327,7 @@ def advertised_address(server_addr: str, advertise_addr: str | None) -> str:
 
     Raises:
         InvalidRequest: `advertise_addr` is not an IP address.
+        InvalidArgument: `server_addr` is not host:port (transport.server_addresses).
         ServerUnavailable: the server's host does not resolve or has no route.
     """
     if advertise_addr:
@@ -239,6 +387,7 @@ class Membership:
         placed in a world. The address and spare port are filled in here.
 
         Raises:
+            InvalidArgument: `server_addr` is not host:port, or the token is malformed.
             RendezvousError: the server refused the join or the world did not form in time.
         """
         address = advertised_address(server_addr, advertise_addr)

@@ -27,6 +27,15 @@ Configuration (`--rdzv-conf key=value,...`):
     node_key           this node's key (default: the host name)
     role               the role of this node's workers
     nproc_per_node     only when the handler is used without the torchrun CLI
+Accepted and ignored: the keys torch's launcher puts there itself (`timeout`,
+from --rdzv-timeout or its default 900; `rank`, with --rdzv-backend=static
+only) and those of torch's own c10d backend, so that a command line moved from
+c10d runs unchanged: read_timeout, close_timeout, keep_alive_interval,
+keep_alive_max_attempt, heartbeat (commctx's lease and session stand for
+them), is_host, store_type, use_libuv (node rank 0's agent always serves the
+store, a TCPStore). Any other key is a RendezvousError when the handler is
+created, naming the key and the closest known one (`join_timout` -> "did you
+mean join_timeout?"): a misspelt key is never silently ignored.
 Environment: COMMCTX_TOKEN, COMMCTX_JOB_SECRET, COMMCTX_TLS_* as for workers.
 """
 
@@ -46,6 +55,7 @@ def handler():
 
 import contextlib
 import datetime
+import difflib
 import json
 import logging
 import os
@@ -83,6 +93,29 @@ log = logging.getLogger("commctx")
 
 def create_handler(params: RendezvousParameters) -> CommctxRendezvousHandler:
     return CommctxRendezvousHandler(params)
+
+
+# --rdzv-conf keys commctx reads (see the module docstring).
+CONF_KEYS = ("join_timeout", "last_call_timeout", "spec", "node_key", "role", "nproc_per_node")
+# Keys accepted and ignored: torch's launcher's own, and those of torch's c10d backend.
+TORCH_CONF_KEYS = ("timeout", "rank")
+IGNORED_CONF_KEYS = (*TORCH_CONF_KEYS, "read_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+                     "heartbeat", "is_host", "store_type", "use_libuv")
+
+
+def check_conf(params: RendezvousParameters) -> None:
+    """Refuses a --rdzv-conf key that commctx neither reads nor knows to ignore.
+
+    Raises:
+        RendezvousError: one line naming the key and the closest known one.
+    """
+    for key in params.config:
+        if key in CONF_KEYS or key in IGNORED_CONF_KEYS:
+            continue
+        close = difflib.get_close_matches(str(key).lower().replace("-", "_"), [*CONF_KEYS, *IGNORED_CONF_KEYS], n=1)
+        hint = f": did you mean {close[0]}?" if close else ""
+        raise RendezvousError(f"commctx: unknown --rdzv-conf key {str(key)[:64]!r}{hint} (commctx reads "
+                              f"{', '.join(CONF_KEYS)}; it ignores {', '.join(IGNORED_CONF_KEYS)})")
 
 
 def local_world_size(params: RendezvousParameters, argv: list[str] | None = None) -> int:
@@ -124,6 +157,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
     """One torchrun agent's membership: its node and its workers."""
 
     def __init__(self, params: RendezvousParameters, env: Mapping[str, str] | None = None) -> None:
+        check_conf(params)  # first: a misspelt key is the one line to see
         if not params.endpoint:
             raise RendezvousError("commctx: give the rendezvous server as --rdzv-endpoint=HOST:PORT")
         self._server = params.endpoint

@@ -172,14 +172,42 @@ class _CallDetails(
     pass
 
 
+MAX_TOKEN_LENGTH = 4096  # gRPC's default limit on all of a call's metadata is 8 KiB
+
+
+def check_token(token: str, source: str) -> str:
+    """Returns `token` if it can be a bearer token: 1-4096 printable ASCII
+    characters without spaces. `source` names where it came from ("token=",
+    "COMMCTX_TOKEN", "--token").
+
+    Raises:
+        InvalidArgument: one line naming `source` and what is wrong, with the
+            token's length but never the token itself.
+    """
+    if not isinstance(token, str):
+        raise errors.InvalidArgument(f"{source}: a token is a string, not {type(token).__name__}")
+    if not token:
+        raise errors.InvalidArgument(f"{source} is empty: give the server's bearer token, or leave it out")
+    problem = ("has a space" if any(c.isspace() for c in token) else
+               "has a non-ASCII character" if not token.isascii() else
+               "has a control character" if not token.isprintable() else
+               f"is longer than {MAX_TOKEN_LENGTH}" if len(token) > MAX_TOKEN_LENGTH else "")
+    if problem:
+        length = f"{len(token)} character{'s' * (len(token) != 1)}"
+        raise errors.InvalidArgument(f"{source} is not a usable token ({length}; it {problem}): "
+                                     f"a token is printable ASCII without spaces, at most {MAX_TOKEN_LENGTH} characters")
+    return token
+
+
 class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Adds `authorization: Bearer <token>` to every call of a channel."""
 
     def __init__(self, token: str) -> None:
-        if not token or not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
-            raise errors.CommContextError("a token is printable ASCII without spaces (check token= or COMMCTX_TOKEN)")
-        self._header = ("authorization", f"Bearer {token}")
+        """Raises:
+            InvalidArgument: the token is malformed (see check_token).
+        """
+        self._header = ("authorization", f"Bearer {check_token(token, 'token= or COMMCTX_TOKEN')}")
 
     def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
         return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._header], d.credentials,
@@ -202,7 +230,7 @@ def channel_to(target: str, tls: Tls | None = None, token: str | None = None) ->
     """A channel to `target`, over TLS when `tls` is given, sending `token` on every call when given.
 
     Raises:
-        CommContextError: a TLS file cannot be read, or the token is not printable ASCII.
+        CommContextError: a TLS file cannot be read, or (InvalidArgument) the token is malformed.
     """
     return _dial(target, tls.credentials() if tls is not None else None, BearerToken(token) if token else None)
 
@@ -233,10 +261,17 @@ def server_addresses(server_addr: str) -> list[tuple[str, int]]:
     them (see split_address), without repeats.
 
     Raises:
-        ValueError: an entry is not host:port.
+        InvalidArgument (a ValueError): an entry is not host:port (empty, a
+            URL, a port out of range); the message names it.
     """
+    if not isinstance(server_addr, str):
+        return [split_address(server_addr)]  # which says what it wants
     out: list[tuple[str, int]] = []
-    for part in server_addr.split(","):
+    parts = server_addr.split(",")
+    for part in parts:
+        if len(parts) > 1 and not part.strip():
+            raise errors.InvalidArgument(f"server address {server_addr[:100]!r} has an empty entry: give host:port, "
+                                         f"or the replicas' host:port separated by commas")
         hp = split_address(part)
         if hp not in out:
             out.append(hp)

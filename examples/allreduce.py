@@ -2,7 +2,8 @@
 
     python examples/allreduce.py --server rendezvous:50051 --job demo --world-size 2
 
-Settings may also come from COMMCTX_SERVER, COMMCTX_JOB and COMMCTX_WORLD_SIZE.
+Settings may also come from COMMCTX_SERVER, COMMCTX_JOB_ID and COMMCTX_WORLD_SIZE
+(COMMCTX_JOB, this example's old name for the job's variable, still works, with a warning).
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import os
 import torch
 import torch.distributed as dist
 
-from commctx import CommContext, CommMode
+from commctx import CommContext, CommMode, LauncherEnv
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--server", default=os.environ.get("COMMCTX_SERVER", "127.0.0.1:50051"))
-    p.add_argument("--job", default=os.environ.get("COMMCTX_JOB", "demo"))
+    p.add_argument("--job", default=None, help="the job id (default COMMCTX_JOB_ID, else 'demo')")
     p.add_argument("--world-size", type=int, default=int(os.environ.get("COMMCTX_WORLD_SIZE", "2")))
     args = p.parse_args()
 
-    ctx = CommContext.join(args.server, job_id=args.job, world_size=args.world_size, timeout=300)
+    job = args.job or LauncherEnv.from_env().job_id or "demo"  # the library's reading of COMMCTX_JOB_ID
+    ctx = CommContext.join(args.server, job_id=job, world_size=args.world_size, timeout=300)
     rank = ctx.get_global_rank()
     for mode in CommMode:
         x = torch.tensor([float(rank + 1)])

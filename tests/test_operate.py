@@ -272,19 +272,31 @@ def test_metrics_read_a_snapshot_while_the_state_changes():
 
 
 def test_a_server_whose_store_another_takes_over_stops(tmp_path):
+    """The epoch fences a server whose store another writer took over. A second
+    server on the same --state-dir is refused by the directory's lock now
+    (tests/test_user_errors.py), so the other writer here is a store opened
+    past the lock, as only tests can; once the fenced server has exited, a
+    new one starts on the directory and finds what the first wrote."""
+    from commctx.server.rendezvous.sqlite import SqliteStore
+
     first = Server("127.0.0.1", "--state-dir", str(tmp_path))
     second = None
     try:
         with grpc.insecure_channel(first.address) as ch:
             stub = pb_grpc.RendezvousStub(ch)
             assert stub.Join(join_request("solo", 1), timeout=10).assignment.generation == 1
-            second = Server("127.0.0.1", "--state-dir", str(tmp_path))  # takes the store over (a new epoch)
+            other = SqliteStore(tmp_path, _bypass_lock_for_fencing_tests=True)
+            try:
+                other.take_over()  # a new epoch: the first server's next write is fenced
+            finally:
+                other.close()
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Join(join_request("late", 1), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "no longer owns its store" in refused.value.details()
         assert first.popen.wait(15) == 1
         assert "another server took over the state store" in first.log()
+        second = Server("127.0.0.1", "--state-dir", str(tmp_path))  # the directory's lock went with the first
         with grpc.insecure_channel(second.address) as ch:
             d = pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="solo"), timeout=5)
             assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 1)

@@ -1,11 +1,16 @@
 """Contract tests every store passes (memory, SQLite, and any future one):
 round trips, ordered writes, and fencing. Plus SQLite's own: the schema
-migration from the first release's file, and errors that name the path."""
+migration from the first release's file, errors that name the path, and the
+state directory's lock (one store on a directory at a time)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import sqlite3
+import subprocess
+import sys
 import time
 
 import grpc
@@ -48,23 +53,29 @@ def etcd():
 
 @pytest.fixture(params=["memory", "sqlite", "etcd"])
 def make_store(request, tmp_path):
-    """A factory: calling it again opens the same store anew (a restart, or a second server)."""
+    """A factory: calling it again opens the same store anew (a restart, or a second server).
+
+    A second SQLite store on the directory while the first is open is refused
+    (its lock); `second_writer=True` opens one past the lock, for the fencing
+    test's two writers on one file."""
     opened = []
     if request.param == "etcd":
         endpoint = request.getfixturevalue("etcd").endpoint
         prefix = f"/{tmp_path.name}"  # a store of its own in the module's etcd
 
-    def make():
+    def make(second_writer: bool = False):
         if request.param == "etcd":
             s = EtcdStore(EtcdConfig((endpoint,), prefix=prefix))
+        elif request.param == "memory":
+            s = MemoryStore()
         else:
-            s = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "state")
+            s = SqliteStore(tmp_path / "state", _bypass_lock_for_fencing_tests=second_writer)
         opened.append(s)
         return s
 
     if request.param == "memory":  # memory survives only within the process: share one
         shared = make()
-        yield lambda: shared
+        yield lambda second_writer=False: shared
     else:
         yield make
     for s in opened:
@@ -118,6 +129,7 @@ def test_writes_apply_in_order(make_store):
         DeleteJob("again"),
         PutJob(JobRecord("again", SPEC, "forming", 0, "back", None)),
     ], epoch)
+    s.close()
     j, again = make_store().load()[::-1]
     assert (j.job_id, j.state, j.reason, j.world) == ("j", "failed", "why", None)
     assert j.members == (member("m2", 2, port=9),)
@@ -128,13 +140,13 @@ def test_a_writer_that_was_taken_over_is_fenced(make_store):
     old = make_store()
     old_epoch = old.take_over()
     old.commit([PutJob(JobRecord("j", SPEC, "forming", 0, "", None))], old_epoch)
-    new = make_store()
+    new = make_store(second_writer=True)  # SQLite: past the directory's lock, which would refuse it
     new_epoch = new.take_over()
     assert new_epoch > old_epoch
     with pytest.raises(Fenced, match=f"epoch {old_epoch} was fenced by epoch {new_epoch}"):
         old.commit([PutMember("j", member("stale", 1)), DeleteJob("j")], old_epoch)
     new.commit([PutMember("j", member("fresh", 2))], new_epoch)
-    (j,) = make_store().load()
+    (j,) = make_store(second_writer=True).load()
     assert [m.member_id for m in j.members] == ["fresh"]  # nothing of the fenced batch was written
     with pytest.raises(Fenced):
         old.commit([], old_epoch)
@@ -250,6 +262,96 @@ def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     db.close()
     with pytest.raises(StoreError, match="has schema version 9; this server reads up to 4"):
         SqliteStore(future)
+
+
+# -- SQLite: one state directory, one store ------------------------------------------------
+
+
+def in_use(directory: pathlib.Path, pid: int, who: str = "(another server)") -> str:
+    return re.escape(f"state directory {directory} is in use by commctx-server pid {pid} {who}; "
+                     f"give another --state-dir, or stop that one")
+
+
+def test_a_second_store_on_a_directory_in_this_process_is_refused_until_the_first_closes(tmp_path):
+    """flock belongs to the open file description: a second open in the same process conflicts too."""
+    first = SqliteStore(tmp_path)
+    epoch = first.take_over()
+    first.commit([PutJob(JobRecord("j", SPEC, "forming", 0, "", None))], epoch)
+    with pytest.raises(StoreError, match=in_use(tmp_path, os.getpid(), "(this process: another store on it is open)")) as refused:
+        SqliteStore(tmp_path)
+    assert "\n" not in str(refused.value)
+    first.commit([PutMember("j", member("m1", 1))], epoch)  # the refused one fenced nothing: it never took over
+    assert (tmp_path / "commctx.lock").read_text().split()[0] == str(os.getpid())
+    first.close()
+    first.close()  # idempotent
+    again = SqliteStore(tmp_path)  # released by close()
+    try:
+        assert [m.member_id for m in again.load()[0].members] == ["m1"]
+    finally:
+        again.close()
+
+
+def test_a_store_that_cannot_open_its_database_releases_the_directory(tmp_path):
+    db = sqlite3.connect(tmp_path / "commctx.sqlite3")
+    db.execute("PRAGMA user_version = 9")
+    db.close()
+    for _ in range(2):  # the second try is refused for the schema again, not for a lock left behind
+        with pytest.raises(StoreError, match="has schema version 9"):
+            SqliteStore(tmp_path)
+
+
+HOLDER = """\
+import sys
+from commctx.server.rendezvous.sqlite import SqliteStore
+store = SqliteStore(sys.argv[1])
+print("holding", flush=True)
+sys.stdin.read()  # until the test closes stdin (or kills this process)
+store.close()
+print("released", flush=True)
+"""
+
+
+def holder(directory: pathlib.Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "holding\n"
+    return proc
+
+
+def test_a_store_another_process_holds_is_refused_naming_its_pid_and_taken_once_released(tmp_path):
+    proc = holder(tmp_path)
+    try:
+        with pytest.raises(StoreError, match=in_use(tmp_path, proc.pid)):
+            SqliteStore(tmp_path)
+        proc.stdin.close()
+        assert proc.stdout.readline() == "released\n"
+        assert proc.wait(30) == 0
+        SqliteStore(tmp_path).close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_holder_is_replaced_at_once(tmp_path):
+    """kill -9: no close(), but the kernel drops the dead process's lock; its
+    PID is still in the file, and nothing waits for it to go stale."""
+    proc = holder(tmp_path)
+    replaced = False
+    try:
+        with pytest.raises(StoreError, match=in_use(tmp_path, proc.pid)):
+            SqliteStore(tmp_path)
+        proc.kill()
+        proc.wait(30)
+        start = time.monotonic()
+        store = SqliteStore(tmp_path)
+        assert time.monotonic() - start < 1.0
+        store.take_over()
+        store.close()
+        replaced = True
+    finally:
+        proc.kill()
+        proc.wait()
+    assert replaced and (tmp_path / "commctx.lock").read_text().split()[0] == str(os.getpid())
 
 
 # -- etcd only ----------------------------------------------------------------------------

@@ -6,6 +6,16 @@ SHA-256 digest of their secret. Older files are migrated in place when
 opened: version 2 (no member secrets) and version 1 (the first release's: the
 spec as the wire message's bytes, worlds as positional JSON tuples).
 
+One state directory, one server: the store holds an exclusive, non-blocking
+`flock` on `commctx.lock` in the directory for as long as it is open (the
+file records the holder's PID and host). A second store on the same directory,
+in another server or in this process, fails at once with a StoreError naming
+the directory and that PID; once the holder is gone (closed, or dead: the
+kernel releases its lock) a new one starts at once. The lock guards against
+the common mistake (two servers on one --state-dir); the epoch below still
+guards the writes (a directory shared where flock does not reach, a lock
+bypassed).
+
 Fencing: the `writer` table holds the current epoch. `take_over` increments
 it; every commit runs as `BEGIN IMMEDIATE` (SQLite's write lock), checks the
 epoch it was given, and writes only if it is still the current one, so a
@@ -20,8 +30,12 @@ commits before the failure may be lost (the workers then re-join).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
+import os
 import pathlib
+import socket
 import sqlite3
 import threading
 from collections.abc import Sequence
@@ -46,6 +60,7 @@ from .store import (
 
 SCHEMA_VERSION = 4
 FILE_NAME = "commctx.sqlite3"
+LOCK_NAME = "commctx.lock"
 
 _SCHEMA = """
     CREATE TABLE writer (id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL);
@@ -76,24 +91,36 @@ class SqliteStore(Store):
 
     blocking = True
 
-    def __init__(self, state_dir: str | pathlib.Path) -> None:
-        """Opens (creating or migrating) the database.
+    def __init__(self, state_dir: str | pathlib.Path, *, _bypass_lock_for_fencing_tests: bool = False) -> None:
+        """Locks the state directory, then opens (creating or migrating) the database.
+
+        `_bypass_lock_for_fencing_tests` opens the database without the lock:
+        only tests use it, to put two writers on one file and check that the
+        epoch fences the older one.
 
         Raises:
-            StoreError: the directory or database cannot be used; the message names the path.
+            StoreError: the directory is in use by another store (the message
+                names the directory and the holder's PID), or the directory
+                or database cannot be used (the message names the path).
         """
         directory = pathlib.Path(state_dir)
         self.path = directory / FILE_NAME
         self._lock = threading.Lock()  # commits run in a worker thread; one at a time
+        self._db: sqlite3.Connection | None = None
+        self._dir_lock: int | None = None  # the locked file's descriptor, held open while the store is
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            self._db: sqlite3.Connection | None = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
+            if not _bypass_lock_for_fencing_tests:
+                self._dir_lock = _lock_directory(directory)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._open_schema()
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot use the state database {self.path}: {exc}") from exc
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, (OSError, sqlite3.Error)):
+                raise StoreError(f"cannot use the state database {self.path}: {exc}") from exc
+            raise
 
     def _open_schema(self) -> None:
         db = self._db
@@ -170,15 +197,66 @@ class SqliteStore(Store):
             return jobs
 
     def close(self) -> None:
+        """Closes the database, then releases the state directory. Idempotent."""
         with self._lock:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+            if self._dir_lock is not None:
+                os.close(self._dir_lock)  # releases the flock (held by this open file alone)
+                self._dir_lock = None
 
     def _connection(self) -> sqlite3.Connection:
         if self._db is None:
             raise StoreError(f"{self.path} is closed")
         return self._db
+
+
+def _lock_directory(directory: pathlib.Path) -> int:
+    """Takes the state directory's lock: an exclusive, non-blocking flock on
+    its lock file, recording this process's PID and host in it. Returns the
+    file's descriptor, which holds the lock until it is closed.
+
+    flock belongs to the open file description, so a second open of the file
+    in this same process conflicts too; a holder that dies releases it.
+
+    Raises:
+        StoreError: another holder has it (named by the PID it recorded).
+        OSError: the lock file cannot be opened or written.
+    """
+    path = directory / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise StoreError(f"state directory {directory} is in use by {_holder(fd)}; "
+                             f"give another --state-dir, or stop that one") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its file records it: 'commctx-server pid 1234
+    (another server)', with its host when that is another one."""
+    try:
+        recorded = os.pread(fd, 512, 0).decode("utf-8", "replace").split()
+    except OSError:
+        recorded = []
+    if not recorded or not recorded[0].isdigit():
+        return "another commctx-server (its pid not recorded yet)"
+    pid, host = recorded[0], recorded[1] if len(recorded) > 1 else ""
+    if host and host != socket.gethostname():
+        return f"commctx-server pid {pid} on host {host[:64]} (another server)"
+    if pid == str(os.getpid()):
+        return f"commctx-server pid {pid} (this process: another store on it is open)"
+    return f"commctx-server pid {pid} (another server)"
 
 
 def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
