@@ -47,6 +47,7 @@ log = logging.getLogger("commctx")
 
 _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL")
 _TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
+SESSION_REPLACED = "SESSION_REPLACED"  # matched as text, as NOT_LEADER is
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 JOIN_BACKOFF_MAX_S = 3.0  # before the lease is known
@@ -208,7 +209,7 @@ class Session:
             addr = self._endpoints.address
             call = self._endpoints.stub.Session(self._requests())
             self._call = call
-            answered = False
+            answered, opened_at = False, time.monotonic()
             try:
                 for event in call:
                     if not answered:
@@ -223,7 +224,16 @@ class Session:
                 if self._stop.is_set():
                     return
                 err = error_from_rpc(exc)
+                if err.reason == SESSION_REPLACED:  # another process holds this membership now: do not fight over it
+                    log.error("membership %s of job %r: %s; this session stops", self.member_id, self._job_id, err.details)
+                    return
                 self._endpoints.failed(exc)  # to the leader it names, or the next replica
+                if answered and err.code == "UNAVAILABLE" and time.monotonic() - opened_at > 1.0:
+                    # A working stream dropped (its connection reached its age, or
+                    # broke): reconnect at once, within the server's reconnect grace.
+                    # Only a reconnect that fails is an outage worth a warning.
+                    log.debug("session stream to %s ended (%s); reconnecting", addr, err.details)
+                    continue
                 if outage is None:
                     outage = (time.monotonic(), addr)
                 if not warned and not leader_hint(exc):  # a replica handing over to a known leader is no outage
@@ -364,11 +374,9 @@ class Session:
             return
         self._closed = True
         self._stop.set()
-        self._wake.put(True)
-        if self._call is not None:
-            self._call.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout=10.0)
+        # Leave before the stream ends: a session ended without a Leave is a
+        # crash to the server (the member goes after its reconnect grace, and
+        # the job may fail); one that left first is a departure.
         if leave and self.assignment is not None:
             try:  # to the leader, following a hint if the leader moved
                 LeaderStub(self._endpoints).Leave(
@@ -377,4 +385,9 @@ class Session:
                     timeout=leave_timeout_s)
             except grpc.RpcError as exc:
                 log.debug("leave failed: %s", error_from_rpc(exc))
+        self._wake.put(True)
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
         self._endpoints.close()

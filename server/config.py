@@ -85,6 +85,7 @@ SETTINGS = (
     Setting("health_port", _optional_port, "off", "an extra plaintext port serving only grpc.health.v1, e.g. for Kubernetes' gRPC probes; 0 picks a free one"),
     Setting("metrics_port", _optional_port, "off", "HTTP port for Prometheus metrics at /metrics; 0 picks a free one"),
     Setting("lease_ttl_s", _positive, "10", "member lease in seconds; clients renew at a third of it"),
+    Setting("reconnect_grace_s", _non_negative, "1", "a member whose session ends without a Leave (its process was killed, its connection broke) keeps its seat this long for a new session, then is removed and its world re-forms; at most --lease-ttl-s. A hung process keeps its connection and is found by its lease"),
     Setting("store", _choice("sqlite", "memory", "etcd"), "sqlite", "where state lives: a SQLite database under --state-dir (survives restarts), memory only, or etcd (several replicas, one leader: high availability)"),
     Setting("state_dir", str, "~/.local/state/commctx", "directory of the SQLite store"),
     Setting("grace_s", _non_negative, "5", "on SIGTERM, how long in-flight calls may finish"),
@@ -122,6 +123,7 @@ class Config:
     health_port: int | None = None
     metrics_port: int | None = None
     lease_ttl_s: float = 10.0
+    reconnect_grace_s: float = 1.0
     store: str = "sqlite"
     state_dir: str = "~/.local/state/commctx"
     grace_s: float = 5.0
@@ -175,6 +177,12 @@ def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = 
             values[s.name] = s.parse(raw)
         except ValueError as exc:
             p.error(f"{source}={raw}: {exc}")
+    grace_given = args.reconnect_grace_s is not None or "COMMCTX_RECONNECT_GRACE_S" in env
+    if not grace_given:  # the default 1 s, but never beyond a shorter lease
+        values["reconnect_grace_s"] = min(values["reconnect_grace_s"], values["lease_ttl_s"])
+    elif values["reconnect_grace_s"] > values["lease_ttl_s"]:
+        p.error(f"--reconnect-grace-s {values['reconnect_grace_s']:g} is longer than --lease-ttl-s "
+                f"{values['lease_ttl_s']:g}: a grace beyond the lease would keep a dead member longer than its lease")
     if bool(values["tls_cert"]) != bool(values["tls_key"]):
         p.error("--tls-cert and --tls-key go together (COMMCTX_TLS_CERT, COMMCTX_TLS_KEY)")
     if values["store"] == "etcd" and not values["etcd_endpoints"]:

@@ -51,6 +51,10 @@ class NotLeader(Unavailable):
         self.leader = leader
 
 
+class SessionReplaced(RendezvousError):
+    """The member opened a newer session; this one ends (its end is no departure)."""
+
+
 class LimitExceeded(RendezvousError):
     """The server holds as much as one of its limits allows; the message names the limit."""
 

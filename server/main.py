@@ -146,7 +146,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
     else:
         store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
-        config.host, config.port, lease_ttl_s=config.lease_ttl_s,
+        config.host, config.port, lease_ttl_s=config.lease_ttl_s, reconnect_grace_s=config.reconnect_grace_s,
         health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True, tls=tls,
         callers=callers,
         limits=Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)}),  # same names as the settings

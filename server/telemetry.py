@@ -121,6 +121,10 @@ class Telemetry:
             registry=registry,
         )
         self.errors = Counter("commctx_rpc_errors", "RPCs answered with an error, by method and status code", ["method", "code"], registry=registry)
+        self.session_ends = Counter(
+            "commctx_session_ends", "Session streams that ended, by how: finished or cancelled by the client (or its "
+            "connection broke: a departure unless it is back within the reconnect grace), replaced by a newer one, "
+            "or ended by the server", ["how"], registry=registry)
         lag = Histogram(
             "commctx_event_loop_lag_seconds", "How late a 50 ms timer on the server's event loop fires",
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=registry,
@@ -168,6 +172,9 @@ class Telemetry:
 
     def rpc_error(self, method: str, code: str) -> None:
         self.errors.labels(method, code).inc()
+
+    def session_ended(self, how: str) -> None:
+        self.session_ends.labels(how).inc()
 
 
 class _StateCollector:

@@ -36,7 +36,9 @@ def hosts():
 
 @pytest.fixture
 async def server():
-    s = await start_server("127.0.0.1", 0, lease_ttl_s=5.0)
+    # A reconnect grace as long as the lease: protocol tests that end a session on
+    # purpose see the member go at its lease (tests/test_detect.py tests the grace).
+    s = await start_server("127.0.0.1", 0, lease_ttl_s=5.0, reconnect_grace_s=5.0)
     yield s
     await s.stop(0)
 

@@ -36,11 +36,12 @@ def describe(address: str, job: str) -> pb.JobDescription:
 
 
 def test_a_killed_worker_is_replaced_by_a_smaller_world():
-    """4 workers (elastic, min 3) on two node keys; SIGKILL rank 1. The 3
-    survivors hear of it within TTL + 1 s, keep their node and local ranks, and
-    all_reduce correctly in generation 2."""
+    """4 workers (elastic, min 3) on two node keys; SIGKILL rank 1. Its
+    connection resets with it, so the 3 survivors hear of it at the reconnect
+    grace, long before its lease (60 s) would tell: they keep their node and
+    local ranks, and all_reduce correctly in generation 2."""
     spec = {"elastic": {"min_size": 3, "last_call_ms": 10_000}}  # the world forms at 4 (its maximum) at once
-    server = Server("127.0.0.1", "--lease-ttl-s", str(TTL))
+    server = Server("127.0.0.1", "--lease-ttl-s", "60")
     nodes = ["node-a", "node-a", "node-b", "node-b"]
     workers = [worker(server.address, "ft", 4, node_key=n, spec=spec, name=f"w{i}") for i, n in enumerate(nodes)]
     with running([server, *workers]):
@@ -48,14 +49,12 @@ def test_a_killed_worker_is_replaced_by_a_smaller_world():
         assert sorted(first) == [0, 1, 2, 3]
         victim, _ = first[1]  # node-a, local rank 1
         survivors = {rank: first[rank] for rank in (0, 2, 3)}
-        killed_at = time.time()
         victim.kill()
         for w, _ in survivors.values():
             w.send("rejoin")
-        after = {rank: w.event(120) for rank, (w, _) in survivors.items()}
+        after = {rank: w.event(30) for rank, (w, _) in survivors.items()}  # well within the lease
         for old_rank, r in after.items():
-            assert r["changed_at"] - killed_at <= TTL + 1.0, r
-            assert "(node 'node-a', rank 1) expired" in r["reason"]
+            assert "(node 'node-a', rank 1) disconnected: session closed without leave" in r["reason"], r
             assert r["generation"] == 2 and r["world_size"] == 3 and r["previous_rank"] == old_rank
             assert r["sums"] == sums_of(r) and r["sums"]["GLOBAL"] == 6.0
         # node-a keeps node rank 0 and local rank 0; node-b keeps node rank 1, local ranks 0 and 1
@@ -82,7 +81,8 @@ def test_a_job_below_its_minimum_is_a_final_world_change():
         workers[0].send("ended")
         ended = workers[0].event(TTL + 30)
         assert (ended["final"], ended["same"], ended["callbacks"]) == (True, True, 1), ended
-        assert "expired" in ended["reason"] and "fewer than the minimum of 2" in ended["reason"], ended
+        assert "disconnected: session closed without leave" in ended["reason"], ended
+        assert "fewer than the minimum of 2" in ended["reason"], ended
         assert ended["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: job 'small'"), ended
         assert ended["reason"] in ended["rejoin_error"]
 
@@ -103,7 +103,9 @@ def test_an_ended_job_and_a_lost_lease_are_final_world_changes():
         stays.send("ended")
         ended = stays.event(TTL + 30)
         assert (ended["final"], ended["same"], ended["callbacks"]) == (True, True, 1), ended
-        assert "left" in ended["reason"] and "fewer than the minimum of 2" in ended["reason"], ended
+        # a normal end reads as an end, not a failure
+        assert "left and 1 worker remains (the job needs 2 to go on)" in ended["reason"], ended
+        assert "finished" in ended["reason"] and "fewer than" not in ended["reason"], ended
         assert ended["rejoin_error"].startswith("MemberNotFound: NOT_FOUND: job 'left'"), ended
         os.killpg(lost.popen.pid, signal.SIGSTOP)  # no renewals: its lease runs out, and the job fails without it
         try:

@@ -81,7 +81,9 @@ RESPONSE_TYPES: dict[str, type[Message]] = {
 EXPECTED: dict[str, frozenset[Code]] = {
     "Join": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS, Code.RESOURCE_EXHAUSTED,
                        Code.PERMISSION_DENIED, Code.NOT_FOUND, Code.DEADLINE_EXCEEDED}),
-    "Session": frozenset({Code.OK, Code.INVALID_ARGUMENT}),  # an unknown member is told `gone` on an OK stream
+    # An unknown member is told `gone` on an OK stream; a session naming an older generation than its member's
+    # sessions did is FAILED_PRECONDITION; one that a newer session of its member replaced ends ABORTED.
+    "Session": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.ABORTED}),
     "KeepAlive": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
     "Leave": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED}),
     "DescribeJob": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED}),

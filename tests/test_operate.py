@@ -334,6 +334,18 @@ def test_flags_beat_environment():
         from_env(["--max-jobs", "0"], {})
 
 
+def test_the_reconnect_grace_is_at_most_the_lease(capsys):
+    from commctx.server.config import from_env
+
+    assert from_env([], {}).reconnect_grace_s == 1.0
+    assert from_env(["--lease-ttl-s", "0.5"], {}).reconnect_grace_s == 0.5  # the default never outlasts a short lease
+    assert from_env([], {"COMMCTX_RECONNECT_GRACE_S": "0"}).reconnect_grace_s == 0.0
+    for argv, env in ((["--lease-ttl-s", "2", "--reconnect-grace-s", "3"], {}), (["--lease-ttl-s", "2"], {"COMMCTX_RECONNECT_GRACE_S": "3"})):
+        with pytest.raises(SystemExit):
+            from_env(argv, env)
+        assert "--reconnect-grace-s 3 is longer than --lease-ttl-s 2" in capsys.readouterr().err
+
+
 # -- reflection with grpcurl ----------------------------------------------------------------
 
 

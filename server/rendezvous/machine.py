@@ -54,6 +54,7 @@ from ..errors import AlreadyExists, Conflict, JobFull, LimitExceeded, NotFound, 
 from ..planning import JobSpec, PlanError, WorldPlan, build_plan, elide, plan_world
 from .deadlines import Deadlines
 from .model import (
+    DISCONNECTED,
     Gone,
     Job,
     JobState,
@@ -61,6 +62,7 @@ from .model import (
     JobView,
     Joined,
     JoinParams,
+    Lease,
     Limits,
     Member,
     MemberGone,
@@ -69,6 +71,7 @@ from .model import (
     NodeView,
     Note,
     PlanRequest,
+    Replaced,
     SessionEvent,
     Stats,
     WaitOutcome,
@@ -79,6 +82,9 @@ from .model import (
 from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutJob, PutMember, Write
 
 log = logging.getLogger("commctx.server")
+
+# Why a member was removed ("left", "expired", "withdrawn", DISCONNECTED), as said to people.
+_SAID = {DISCONNECTED: "disconnected: session closed without leave"}
 
 
 class Actions:
@@ -136,6 +142,7 @@ class Rendezvous:
         self,
         *,
         lease_ttl_s: float = 10.0,
+        reconnect_grace_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         new_member_id: Callable[[], str] | None = None,
@@ -143,6 +150,7 @@ class Rendezvous:
         limits: Limits = Limits(),
     ) -> None:
         self.lease_ttl_s = lease_ttl_s
+        self.reconnect_grace_s = min(reconnect_grace_s, lease_ttl_s)
         self.limits = limits
         self._members = 0  # across all jobs
         self.plan_inline_max = plan_inline_max
@@ -263,7 +271,7 @@ class Rendezvous:
             if job.state is JobState.FORMED:
                 return joined, actions, NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
             return joined, actions, None
-        member.lease_deadline = math.inf  # bound to this call again
+        member.lease, member.lease_deadline = Lease.IN_JOIN, math.inf  # bound to this call again
         if member.port != p.port:
             member.port = p.port
             job.version += 1
@@ -336,7 +344,7 @@ class Rendezvous:
         actions = Actions()
         job = self._jobs.get(job_id)
         member = job.members.get(member_id) if job is not None else None
-        if member is None or member.lease_deadline != math.inf or job.in_world(member_id):
+        if member is None or member.lease is not Lease.IN_JOIN or job.in_world(member_id):
             return actions
         self._remove(job, member_id, "withdrawn", actions)
         return actions
@@ -491,9 +499,9 @@ class Rendezvous:
         first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
         for mid in plan.ranks:
             m = members.get(mid)  # None: a node membership's further workers (worker_id)
-            if m is not None and m.lease_deadline == math.inf:  # newly placed: its lease starts now
-                m.lease_deadline = first_lease
-                self._leases.push(m.lease_deadline, (job.job_id, mid))
+            if m is not None and m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
+                m.lease, m.lease_deadline = Lease.FIRST, first_lease
+                self._queue(job.job_id, mid, m, first_lease)
         rank0 = plan.seating.nodes[0].members[0]
         members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
         actions.writes.append(PutMember(job.job_id, _member_record(rank0, members[rank0])))
@@ -533,14 +541,25 @@ class Rendezvous:
         """Attaches a session sink to a member and renews its lease. `secret`
         must be the member's (None: not checked; the RPC edge always checks).
 
+        A member holds one session: an older one still open is ended (Replaced),
+        and its end is no departure. A member whose session closed without a
+        Leave (DETACHED) takes its seat back here, within the reconnect grace:
+        nothing is announced.
+
         Returns:
             The lease TTL, the events the member missed (to send first), and actions.
 
         Raises:
             NotFound: unknown job or member, or not its secret.
+            StaleGeneration: the session names a generation older than one the
+                member's sessions named before (a stale process): it takes nothing over.
         """
         job = self._job(job_id)
         member = self._member(job, member_id, secret)
+        if generation < member.generation:
+            raise StaleGeneration(f"member {member_id} of job {job_id!r} holds generation {member.generation}; a session "
+                                  f"naming generation {generation} cannot take over its membership")
+        older = member.session  # renew() below takes a DETACHED member back
         missed: list[SessionEvent] = []
         if job.in_world(member_id):
             if job.state is JobState.FORMED and generation < job.generation:
@@ -549,13 +568,33 @@ class Rendezvous:
                 missed.append(WorldChange(job.generation, job.reason))
         member.session = sink
         _, actions = self.renew(job_id, member_id, generation, spare_port)
+        if older is not None and older is not sink:
+            actions.pushes.append((older, Replaced(f"member {member_id} of job {job_id!r} opened a newer session")))
         return self.lease_ttl_s, missed, actions
 
-    def close_session(self, job_id: str, member_id: str, sink: object) -> None:
+    def close_session(self, job_id: str, member_id: str, sink: object, departed: bool = False) -> Actions:
+        """The session of `sink` ended. `departed`: the client ended it (it
+        cancelled the stream, or its connection broke, as when its process is
+        killed) without a Leave; then, unless a new session reattaches within
+        the reconnect grace, the member is removed as an expired lease is. Any
+        other end (the server stopping or handing over, a newer session) leaves
+        the lease to run on. A paused process keeps its connection: only its
+        lease finds it.
+
+        Returns:
+            Actions (none to carry out, but the grace's deadline may be the next one).
+        """
+        actions = Actions()
         job = self._jobs.get(job_id)
         member = job.members.get(member_id) if job is not None else None
-        if member is not None and member.session is sink:
-            member.session = None  # the lease runs on; a new session may take over
+        if member is None or member.session is not sink:
+            return actions
+        member.session = None
+        if departed and member.lease in (Lease.FIRST, Lease.RENEWING):
+            member.lease = Lease.DETACHED
+            member.lease_deadline = min(member.lease_deadline, self._clock() + self.reconnect_grace_s)
+            self._queue(job_id, member_id, member, member.lease_deadline)
+        return actions
 
     def renew(self, job_id: str, member_id: str, generation: int, spare_port: int = 0) -> tuple[int, Actions]:
         """Renews a member's lease; records a spare port it offers for a later world.
@@ -573,8 +612,18 @@ class Rendezvous:
         job = self._job(job_id)
         member = self._member(job, member_id)
         actions = Actions()
-        if member.lease_deadline != math.inf:  # unplaced members are bound to their Join call instead
+        if member.lease is Lease.DETACHED and generation >= member.generation:
+            member.lease = Lease.RENEWING  # heard from within the grace (a KeepAlive, or a session reattaching)
+        if member.generation < generation <= job.generation:  # a later one is nonsense, and would lock the member out
+            member.generation = generation
+        if member.lease is Lease.RENEWING:  # the common case: the heap entry is lazy, nothing is pushed
             member.lease_deadline = self._clock() + self.lease_ttl_s
+        elif member.lease is Lease.FIRST:
+            # Leaving a first lease, which may be stretched far past TTL: the one
+            # push this costs makes last renewal + TTL the bound from now on.
+            member.lease, member.lease_deadline = Lease.RENEWING, self._clock() + self.lease_ttl_s
+            self._queue(job_id, member_id, member, member.lease_deadline)
+        # IN_JOIN: bound to its Join call; DETACHED with an older generation: a stale process, the grace runs on
         if spare_port and generation == job.generation and spare_port != member.port:
             member.port = spare_port
             job.version += 1
@@ -666,12 +715,15 @@ class Rendezvous:
             job_id, member_id = entry[1]
             job = self._jobs.get(job_id)
             member = job.members.get(member_id) if job is not None else None
-            if member is None or member.lease_deadline == math.inf:
-                continue  # gone, or bound to a Join call again
+            if member is None or entry[0] != member.queued:
+                continue  # gone, or a stale entry (its live one is earlier or later)
+            member.queued = math.inf
+            if member.lease is Lease.IN_JOIN:
+                continue  # bound to a Join call again
             if member.lease_deadline > now:
-                self._leases.push(member.lease_deadline, entry[1])  # renewed since: wait for the new deadline
+                self._queue(job_id, member_id, member, member.lease_deadline)  # renewed since: wait for the new deadline
                 continue
-            self._remove(job, member_id, "expired", actions)
+            self._remove(job, member_id, DISCONNECTED if member.lease is Lease.DETACHED else "expired", actions)
             removed += 1
         while (entry := self._last_calls.pop_due(now)) is not None:
             job = self._jobs.get(entry[1])
@@ -711,7 +763,7 @@ class Rendezvous:
         actions.writes.append(DeleteMember(job.job_id, member_id))
         actions.notes.append(Note("removed", {"job": job.job_id, "member": member_id, "why": why}))
         if member.session is not None and why != "left":
-            actions.pushes.append((member.session, Gone(f"member {member_id} {why}")))
+            actions.pushes.append((member.session, Gone(f"member {member_id} {_SAID.get(why, why)}")))
         if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
             actions.wakes.append((job.job_id, MemberGone(member_id)))
         if not job.members:
@@ -740,10 +792,14 @@ class Rendezvous:
     def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions) -> None:
         """A member of a formed (or re-forming) world is gone."""
         rank = job.plan.ranks.get(member_id)
-        what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {why}"
-        if job.workers < job.spec.min_world:
-            reason = f"{what}; {job.workers} workers remain, fewer than the minimum of {job.spec.min_world}"
-            self._stop(job, JobState.ENDED if why == "left" else JobState.FAILED, reason, "cannot continue", actions)
+        what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {_SAID.get(why, why)}"
+        remain = f"{job.workers} worker{'s' * (job.workers != 1)} remain{'s' * (job.workers == 1)}"
+        if job.workers < job.spec.min_world and why == "left":  # members leaving: the job is finishing
+            reason = f"{what} and {remain} (the job needs {job.spec.min_world} to go on)"
+            self._stop(job, JobState.ENDED, reason, "finished", actions)
+        elif job.workers < job.spec.min_world:
+            reason = f"{what}; {remain}, fewer than the minimum of {job.spec.min_world}"
+            self._stop(job, JobState.FAILED, reason, "cannot continue", actions)
         elif job.state is JobState.FORMED:
             self._change(job, what, actions)
         else:
@@ -780,8 +836,8 @@ class Rendezvous:
                 self._members += 1
                 placed = job.in_world(mr.member_id)
                 job.placed += placed * m.workers
-                m.lease_deadline = now + (self.lease_ttl_s if placed else 0) + grace_s
-                self._leases.push(m.lease_deadline, (job.job_id, mr.member_id))
+                m.lease, m.lease_deadline = Lease.FIRST, now + (self.lease_ttl_s if placed else 0) + grace_s
+                self._queue(job.job_id, mr.member_id, m, m.lease_deadline)
                 self._seq = max(self._seq, mr.seq)
             if not job.members:
                 if job.state is JobState.FAILED and record.retained_until > wall:
@@ -904,12 +960,23 @@ class Rendezvous:
             job_id, member_id = entry[1]
             job = self._jobs.get(job_id)
             member = job.members.get(member_id) if job is not None else None
-            if member is None or member.lease_deadline == math.inf:
+            if member is None or entry[0] != member.queued:
                 continue
-            self._leases.push(member.lease_deadline, entry[1])
+            member.queued = math.inf
+            if member.lease is Lease.IN_JOIN:
+                continue
+            self._queue(job_id, member_id, member, member.lease_deadline)
             if member.lease_deadline == top:
                 return top
         return math.inf
+
+    def _queue(self, job_id: str, member_id: str, member: Member, deadline: float) -> None:
+        """Makes sure the lease heap holds an entry for the member due by
+        `deadline`: pushed only when its live entry is due later (a stretched
+        first lease, a grace shorter than the lease), so a renewal costs no push."""
+        if deadline < member.queued:
+            member.queued = deadline
+            self._leases.push(deadline, (job_id, member_id))
 
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)

@@ -157,6 +157,20 @@ class JobState(enum.Enum):
     ENDED = "ended"
 
 
+class Lease(enum.Enum):
+    """Where a member's lease stands, as etcd's lessor names its states."""
+
+    IN_JOIN = "in join"  # bound to its Join call: ending the call withdraws it; no deadline
+    FIRST = "first"  # placed, not renewed since: a first lease, stretched while its world's sessions open
+    RENEWING = "renewing"  # renewed since placed: its deadline is its last renewal + TTL
+    DETACHED = "detached"  # its session ended without a Leave: gone at the grace's end unless a new session reattaches
+
+
+# Why a member whose session ended without a Leave, and was not back within the
+# reconnect grace, was removed (beside "left", "expired" and "withdrawn").
+DISCONNECTED = "disconnected"
+
+
 class Joined(NamedTuple):
     job_id: str
     member_id: str
@@ -218,7 +232,13 @@ class Gone(NamedTuple):
     ended: bool = False  # the job ended because members left (it finished), not a failure
 
 
-SessionEvent = WorldChange | NewWorld | Gone
+class Replaced(NamedTuple):
+    """The member opened a newer session: this one ends (no departure)."""
+
+    reason: str
+
+
+SessionEvent = WorldChange | NewWorld | Gone | Replaced
 
 
 class JobStopped(NamedTuple):
@@ -256,8 +276,8 @@ class Note(NamedTuple):
 class Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
-    __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease_deadline", "session", "secret",
-                 "workers")
+    __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease", "lease_deadline", "queued",
+                 "generation", "session", "secret", "workers")
 
     def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
         self.node_key = node.key
@@ -267,7 +287,10 @@ class Member:
         self.node_rank = p.node_rank
         self.role = p.role
         self.seq = seq  # join order, kept across restarts
-        self.lease_deadline = math.inf  # bound to its Join call until placed
+        self.lease = Lease.IN_JOIN
+        self.lease_deadline = math.inf  # when the lease runs out (IN_JOIN: never: its Join call binds it)
+        self.queued = math.inf  # the deadline of its live entry in the lease heap (later entries are stale)
+        self.generation = 0  # the latest generation its session said it holds
         self.session: Any = None  # the open session's sink (the executor puts events in it)
         self.secret = p.secret  # digest of its secret ("": none)
         self.workers = p.workers  # >1: a node membership, seated as local ranks 0..workers-1 (worker_id)

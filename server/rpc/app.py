@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -53,7 +54,9 @@ class Term:
 class RendezvousServer:
     """A running server. Create with `start_server`; stop with `stop` (idempotent)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, lease_ttl_s: float = 10.0, reconnect_grace_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, limits: Limits = Limits(), callers: Callers | None = None,
+                 store: Store | None = None, ha: bool = False) -> None:
         self.port = 0
         self.health_port: int | None = None
         self.metrics_port: int | None = None
@@ -66,13 +69,14 @@ class RendezvousServer:
         self._health = health.aio.HealthServicer()
         self._tasks: list[asyncio.Task] = []
         self._metrics: tuple | None = None
-        self._store: Store = NullStore()
+        self._store: Store = store if store is not None else NullStore()
         self._stopped = False
-        self._lease_ttl_s = 10.0
-        self._clock: Callable[[], float] = time.monotonic
-        self._limits = Limits()
-        self._callers: Callers | None = None
-        self._ha = False
+        self._lease_ttl_s = lease_ttl_s
+        self._reconnect_grace_s = reconnect_grace_s
+        self._clock = clock
+        self._limits = limits
+        self._callers = callers
+        self._ha = ha
 
     @property
     def machine(self) -> Rendezvous:
@@ -94,7 +98,8 @@ class RendezvousServer:
     def begin_term(self, store: Store, epoch: int, records: list) -> None:
         """Serves the rendezvous from `records` (the store's content), writing
         as `epoch`; every lease restored gets one TTL of grace."""
-        machine = Rendezvous(lease_ttl_s=self._lease_ttl_s, clock=self._clock, limits=self._limits)
+        machine = Rendezvous(lease_ttl_s=self._lease_ttl_s, reconnect_grace_s=self._reconnect_grace_s, clock=self._clock,
+                             limits=self._limits)
         restored, actions = machine.restore(records, grace_s=self._lease_ttl_s)
         if restored:
             event("restored", jobs=restored, grace_s=self._lease_ttl_s)
@@ -103,7 +108,8 @@ class RendezvousServer:
                             on_store_error=self._store_error, on_fenced=self._fenced)
         executor.start()
         executor.submit(actions)
-        servicer = RendezvousServicer(machine, executor, waiters, self.telemetry.rpc_error, self._callers)
+        servicer = RendezvousServicer(machine, executor, waiters, self.telemetry.rpc_error, self._callers,
+                                      self.telemetry.session_ended)
         self.term, self.leader = Term(machine, waiters, executor, servicer), ""
         self._tasks.append(asyncio.ensure_future(self._set_health(SERVING)))
 
@@ -307,6 +313,7 @@ async def start_server(
     port: int = 0,
     *,
     lease_ttl_s: float = 10.0,
+    reconnect_grace_s: float = 1.0,
     health_port: int | None = None,
     metrics_port: int | None = None,
     store: Store | None = None,
@@ -320,6 +327,9 @@ async def start_server(
     """Starts a rendezvous server on host:port (port 0: any free port).
 
     Args:
+        reconnect_grace_s: how long a member whose session the client ended
+            without a Leave (a killed process) keeps its seat for a new session
+            (at most lease_ttl_s); then it is removed as an expired lease is.
         store: where state is kept (default: memory only). The server takes it
             over (fencing any earlier writer) and restores the jobs it holds,
             every lease with one more TTL of grace.
@@ -338,19 +348,23 @@ async def start_server(
             server then serves the rendezvous only between the two.
 
     Raises:
-        RuntimeError: an address could not be bound.
+        ListenError: an address could not be bound.
         StoreError: the store cannot be used.
     """
-    out = RendezvousServer()
+    store = store if store is not None else NullStore()
+    out = RendezvousServer(lease_ttl_s=lease_ttl_s, reconnect_grace_s=reconnect_grace_s, clock=clock, limits=limits,
+                           callers=callers, store=store, ha=replica is not None)
     loop = asyncio.get_running_loop()
-    out._lease_ttl_s, out._clock, out._limits, out._callers, out._ha = lease_ttl_s, clock, limits, callers, replica is not None
-    out._store = store = store if store is not None else NullStore()
     idle = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, limits=limits)  # what metrics show between terms
+
+    loop_thread = threading.get_ident()
 
     async def snapshot() -> Stats:
         return (out.term.machine if out.term is not None else idle).stats()
 
-    def stats() -> Stats:  # called from the metrics thread: the loop takes the snapshot
+    def stats() -> Stats:  # from another thread (the metrics thread), the loop takes the snapshot
+        if threading.get_ident() == loop_thread:
+            return (out.term.machine if out.term is not None else idle).stats()
         return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
 
     registry = prometheus_client.CollectorRegistry()

@@ -33,6 +33,7 @@ from ..errors import (
     NotLeader,
     PermissionDenied,
     RendezvousError,
+    SessionReplaced,
     StaleGeneration,
     Unauthenticated,
     Unavailable,
@@ -60,6 +61,7 @@ STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
     PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, pb.JOB_SEALED),
     LimitExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.SERVER_FULL),
+    SessionReplaced: (grpc.StatusCode.ABORTED, pb.SESSION_REPLACED),
 }
 
 _STATE = {

@@ -15,11 +15,11 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from ..errors import InvalidArgument, LimitExceeded, NotFound, Unavailable, WaitTimeout
+from ..errors import InvalidArgument, LimitExceeded, NotFound, SessionReplaced, Unavailable, WaitTimeout
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Actions, Rendezvous
 from ..planning import elide
-from ..rendezvous.model import Gone, check_job_id, check_member_id
+from ..rendezvous.model import Gone, Replaced, check_job_id, check_member_id
 from . import codec
 from .auth import ADMIN, Callers
 
@@ -33,8 +33,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     """Serves commctx.v1.Rendezvous over the state machine."""
 
     def __init__(self, machine: Rendezvous, executor: Executor, waiters: Waiters,
-                 rpc_error: Callable[[str, str], None] = lambda method, code: None, callers: Callers | None = None) -> None:
+                 rpc_error: Callable[[str, str], None] = lambda method, code: None, callers: Callers | None = None,
+                 session_ended: Callable[[str], None] = lambda how: None) -> None:
         self._machine = machine
+        self._session_ended = session_ended
         self._callers = callers
         self._streams = 0  # open Session calls
         self._sinks: set[asyncio.Queue] = set()  # of the open sessions
@@ -116,6 +118,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return Actions()
         return self._machine.withdraw(job_id, member_id)
 
+    @property
+    def open_sessions(self) -> int:
+        """Session streams open now."""
+        return self._streams
+
     def close(self, error: Exception) -> None:
         """Ends every open Session with `error` (the server stops serving; the
         clients reconnect elsewhere). The members and their leases stay as they are."""
@@ -170,32 +177,50 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         for event in missed:
             sink.put_nowait(event)
         self._executor.submit(actions)
-        await context.write(pb.SessionEvent(lease_ttl_ms=round(ttl * 1000)))
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
         self._sinks.add(sink)
+        # Whether the client ended the stream (it finished or cancelled it, or its
+        # connection broke): then the member is a departure unless it comes back
+        # within the reconnect grace. The server ending it (stopping, handing
+        # over, a newer session, the member gone) is none.
+        departed, how = True, "cancelled"
         try:
+            await context.write(pb.SessionEvent(lease_ttl_ms=round(ttl * 1000)))
             while True:
                 event = await sink.get()
                 if event is None:  # the reader saw the client finish
+                    how = "finished"
                     return
-                if isinstance(event, Exception):  # close(): this server stopped serving
+                if isinstance(event, Exception):  # close() (this server stopped serving), or a message that does not parse
+                    departed, how = False, "server"
                     self._fail(context, "Session", event)
+                    return
+                if isinstance(event, Replaced):
+                    departed, how = False, "replaced"
+                    self._fail(context, "Session", SessionReplaced(event.reason))
                     return
                 message = codec.session_event(event, member_id)
                 if message is not None:
                     await context.write(message)
                 if isinstance(event, Gone):
+                    departed, how = False, "server"
                     return
         finally:
             self._sinks.discard(sink)
             reader.cancel()
-            self._machine.close_session(job_id, member_id, sink)
+            if self.draining:
+                departed, how = False, "server"
+            self._session_ended(how)
+            self._executor.submit(self._machine.close_session(job_id, member_id, sink, departed))
 
     async def _renewals(self, context: grpc.aio.ServicerContext, job_id: str, member_id: str, sink: asyncio.Queue) -> None:
         while True:
             request = await context.read()
-            if request is grpc.aio.EOF or isinstance(request, codec.Undecodable):
-                sink.put_nowait(None)  # ends the stream; the lease runs on
+            if request is grpc.aio.EOF:
+                sink.put_nowait(None)  # the client finished the stream
+                return
+            if isinstance(request, codec.Undecodable):
+                sink.put_nowait(request.error())  # ends the stream, INVALID_ARGUMENT; the lease runs on
                 return
             try:
                 _, actions = self._machine.renew(job_id, member_id, request.generation, request.spare_port)

@@ -22,6 +22,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_SEALED: _ClassVar[ErrorReason]
     SERVER_FULL: _ClassVar[ErrorReason]
     NOT_LEADER: _ClassVar[ErrorReason]
+    SESSION_REPLACED: _ClassVar[ErrorReason]
 
 class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ UNAUTHENTICATED_CALLER: ErrorReason
 JOB_SEALED: ErrorReason
 SERVER_FULL: ErrorReason
 NOT_LEADER: ErrorReason
+SESSION_REPLACED: ErrorReason
 SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 

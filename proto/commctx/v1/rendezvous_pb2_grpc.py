@@ -84,6 +84,16 @@ class RendezvousServicer:
         least every lease_ttl/3); the server sends SessionEvents: new
         assignments, and world changes that cannot complete at once. An unknown
         member gets a `gone` event, then the stream ends.
+
+        A member holds one session: opening another ends the older one
+        (ABORTED, SESSION_REPLACED). A session the client ends without a Leave
+        (it cancels the stream, or its connection breaks, as when its process is
+        killed) is a departure once the server's reconnect grace has passed
+        without a new session for the member (same member id and secret, and a
+        generation no older than it held): the member is removed as an expired
+        lease is, and its world re-forms. A new session within the grace keeps
+        its seat, and nobody hears of it. A session naming an older generation
+        than the member's sessions named before: FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
