@@ -3,6 +3,7 @@
     commctx plan     print every rank and group of a described world (dry run)
     commctx health   ask a server's grpc.health.v1 service (exit 0 when SERVING)
     commctx status   jobs, members per node, who is missing and why
+    commctx events   a job's history (joined, refused, formed, lost, ...), --follow to watch it
     commctx --version
 
 `plan` runs the server's own planning code on a world you describe, so what it
@@ -52,15 +53,19 @@ from .errors import CommContextError, InvalidArgument
 from .transport import Endpoints, LeaderStub, Tls, channel_to, check_token, server_addresses, tls_of
 
 
-def default_address(env: Mapping[str, str] | None = None) -> str:
-    """Where this host's server answers: 127.0.0.1 and COMMCTX_PORT (the server's own variable)."""
+def default_address(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """Where the server is when --addr is not given, and the variable that said
+    so: COMMCTX_SERVER (as workers read it), else this host's 127.0.0.1 and
+    COMMCTX_PORT (the server's own variable), else port 50051."""
     env = os.environ if env is None else env
-    return f"127.0.0.1:{env.get('COMMCTX_PORT') or DEFAULT_PORT}"
+    if env.get("COMMCTX_SERVER"):
+        return env["COMMCTX_SERVER"], "COMMCTX_SERVER"
+    return f"127.0.0.1:{env.get('COMMCTX_PORT') or DEFAULT_PORT}", "COMMCTX_PORT"
 
 
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None, help="host:port, or the replicas' host:port comma-separated "
-                                                 "(default 127.0.0.1 and COMMCTX_PORT, else 50051)")
+                                                 "(default COMMCTX_SERVER, else 127.0.0.1 and COMMCTX_PORT, else 50051)")
     p.add_argument("--tls-ca", help="PEM CA of the server's certificate: connect with TLS (default COMMCTX_TLS_CA)")
     p.add_argument("--tls-cert", help="PEM client certificate, for a server requiring one "
                                       "(default COMMCTX_TLS_CERT, used when a CA is given)")
@@ -79,11 +84,11 @@ def connection(args: argparse.Namespace, env: Mapping[str, str] | None = None) -
     env = os.environ if env is None else env
     tls = tls_of(args.tls_ca, args.tls_cert, args.tls_key,
                  env.get("COMMCTX_TLS_CA"), env.get("COMMCTX_TLS_CERT"), env.get("COMMCTX_TLS_KEY"))
-    addr = args.addr if args.addr is not None else default_address(env)
+    addr, source = (args.addr, "--addr") if args.addr is not None else default_address(env)
     try:
         server_addresses(addr)
     except InvalidArgument as exc:
-        raise InvalidArgument(f"--addr: {exc}" if args.addr is not None else f"COMMCTX_PORT: {exc}") from None
+        raise InvalidArgument(f"{source}: {exc}") from None
     if args.token is not None:
         token = check_token(args.token, "--token")
     else:
@@ -478,6 +483,66 @@ def version() -> str:
         return "commctx (version unknown: the commctx distribution is not installed)"
 
 
+def add_events_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("events", help="a job's history: joined, refused, formed, reforming, lost, left, failed, ended",
+                       description="Prints a job's kept events, oldest first (ListEvents). With --follow it goes on "
+                                   "printing them as they happen (WatchEvents) until the job is gone from the server "
+                                   "or you interrupt it. An event whose count grew is printed again with its seq.")
+    add_connection_arguments(p)
+    p.add_argument("--job", required=True, help="the job")
+    p.add_argument("--job-secret", default=None, help="the job's secret, if it is sealed (default COMMCTX_JOB_SECRET)")
+    p.add_argument("--after", type=int, default=0, metavar="SEQ", help="only events after this seq (default: all kept)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing events as they happen")
+    p.add_argument("--json", action="store_true", help="one JSON object per event and line")
+    p.set_defaults(run=run_events)
+
+
+def event_line(e: pb.JobEvent, as_json: bool) -> str:
+    if as_json:
+        return json.dumps({"seq": e.seq, "time": e.time, "kind": e.kind, "generation": e.generation, "message": e.message,
+                           "fields": json_format.MessageToDict(e.fields)}, separators=(",", ":"))
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)) + f".{int(e.time % 1 * 1000):03d}"
+    return f"{when}  #{e.seq:<4} gen {e.generation:<3} {e.kind:<9}  {e.message}"
+
+
+def run_events(args: argparse.Namespace) -> int:
+    _, endpoints = connect(args)
+    secret = args.job_secret or os.environ.get("COMMCTX_JOB_SECRET", "")
+    last = args.after
+    try:
+        stub = LeaderStub(endpoints)
+        token = str(last) if last else ""
+        while True:
+            page = stub.ListEvents(pb.ListEventsRequest(job_id=args.job, job_secret=secret, page_size=1000, page_token=token),
+                                   timeout=10)
+            for e in page.events:
+                print(event_line(e, args.json), flush=True)
+                last = e.seq
+            token = page.next_page_token
+            if not token:
+                break
+        while args.follow:
+            try:
+                for e in endpoints.stub.WatchEvents(pb.WatchEventsRequest(job_id=args.job, job_secret=secret, after_seq=last)):
+                    print(event_line(e, args.json), flush=True)
+                    last = max(last, e.seq)
+                return 0  # the job is gone from the server
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # the leader moved, or the server restarts
+                    endpoints.failed(exc)
+                elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # else: fell behind, watch again
+                    raise
+                time.sleep(0.5)  # a backoff before watching again from the last seq printed
+        return 0
+    except grpc.RpcError as exc:
+        print(f"commctx events: {endpoints.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        endpoints.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commctx", description="commctx command-line tools")
     parser.add_argument("--version", action="version", version=version())
@@ -485,6 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_plan_parser(sub)
     add_health_parser(sub)
     add_status_parser(sub)
+    add_events_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

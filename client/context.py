@@ -32,6 +32,7 @@ from .lifecycle import (
     check_job_secret,
     check_seconds,
     job_spec_of,
+    progress_seconds,
     resolve_backend,
 )
 from .modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
@@ -97,6 +98,7 @@ class CommContext:
         tls_key: str | None = None,
         token: str | None = None,
         job_secret: str | None = None,
+        progress_interval: float | None = None,
     ) -> CommContext:
         """Joins `job_id` on the rendezvous server and returns the ready context.
 
@@ -138,6 +140,11 @@ class CommContext:
                 workers with the same secret can join or describe it
                 (default: COMMCTX_JOB_SECRET; neither: an open job): 16-256
                 printable ASCII characters without spaces.
+            progress_interval: While it waits, every this many seconds the
+                join says on stderr (the `commctx` logger, or stderr itself
+                when the application configured no logging) who it waits for:
+                "waiting for job 'ppo': 1 of 3 workers (nodes: vm×1); 2
+                missing". 0 silences it. Default: COMMCTX_PROGRESS_S, else 10.
 
         Raises:
             InvalidArgument (a CommContextError and a ValueError): an argument,
@@ -164,6 +171,7 @@ class CommContext:
         check_count("local_rank", local_rank, "this worker's rank in its node", minimum=0, optional=True)
         check_count("node_rank", node_rank, "this node's rank", minimum=0, optional=True)
         launcher = LauncherEnv.from_env()
+        progress_s = progress_seconds(progress_interval, launcher)
         if launcher.torchrun_world:  # torchrun --rdzv-backend=commctx: the agent joined for this worker
             check_count("world_size", world_size, "the number of workers in the job", optional=True)
             if on_world_changed is not None:
@@ -211,7 +219,7 @@ class CommContext:
         try:
             membership = ctx._membership = Membership.join(
                 server_addr, request, advertise_addr=advertise_addr, backend=backend,
-                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls, token=token)
+                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls, token=token, progress_s=progress_s)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
             membership.enter(ctx._registry)

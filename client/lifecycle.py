@@ -33,6 +33,7 @@ from .errors import CommContextError, InvalidArgument, InvalidRequest, ServerUna
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
+from .progress import DEFAULT_EVERY_S, say
 from .session import Session
 from .transport import Tls, server_addresses
 
@@ -68,6 +69,7 @@ class LauncherEnv:
     server: str | None = None  # COMMCTX_SERVER: the rendezvous server's host:port (or replica list)
     job_id: str | None = None  # COMMCTX_JOB_ID (formerly COMMCTX_JOB, still read): the job to join
     torchrun_world: str | None = None  # COMMCTX_TORCHRUN_WORLD under torchrun: the agent's file of assignments
+    progress_s: str | None = None  # COMMCTX_PROGRESS_S: seconds between "waiting for ..." lines (0: none)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
@@ -114,6 +116,7 @@ class LauncherEnv:
             server=env.get("COMMCTX_SERVER") or None,
             job_id=_renamed(env, "COMMCTX_JOB_ID"),
             torchrun_world=torchrun_world,
+            progress_s=env.get("COMMCTX_PROGRESS_S") or None,
         )
 
 
@@ -273,6 +276,28 @@ def check_seconds(name: str, value: float, what: str) -> float:
     return value
 
 
+def progress_seconds(value: float | None, launcher: LauncherEnv) -> float:
+    """How often a waiting join says who it waits for: `value`, else
+    COMMCTX_PROGRESS_S, else every 10 s; 0 silences it.
+
+    Raises:
+        InvalidArgument: not a number of seconds of at least 0.
+    """
+    name = "progress_interval"
+    if value is None and launcher.progress_s is not None:
+        name, value = "COMMCTX_PROGRESS_S", launcher.progress_s
+        try:
+            value = float(value)
+        except ValueError:
+            raise InvalidArgument(f"COMMCTX_PROGRESS_S must be a number of seconds (0: no progress lines), "
+                                  f"not {_shown(launcher.progress_s)}") from None
+    if value is None:
+        return DEFAULT_EVERY_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{name} must be a number of seconds (0: no progress lines), not {_shown(value)}")
+    return float(value)
+
+
 def check_count(name: str, value: int | None, what: str, *, minimum: int = 1, optional: bool = False) -> int | None:
     """Returns `value` if it is an integer >= `minimum` (None too when `optional`).
 
@@ -382,6 +407,7 @@ class Membership:
     @classmethod
     def join(cls, server_addr: str, request: pb.JoinRequest, *, advertise_addr: str | None, backend: str,
              timeout_s: float, collective_timeout_s: int, env: MutableMapping[str, str] | None = None,
+             progress_s: float = DEFAULT_EVERY_S,
              tls: Tls | None = None, token: str | None = None) -> Membership:
         """Joins with `request` (job, spec, node and rank fields) and blocks until
         placed in a world. The address and spare port are filled in here.
@@ -400,7 +426,7 @@ class Membership:
         request.address = address
         request.master_port = spare.getsockname()[1]
         try:
-            session.join(request, timeout_s)
+            session.join(request, timeout_s, progress_s)
         except BaseException:
             spare.close()
             session.close(leave=False)

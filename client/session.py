@@ -41,6 +41,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import MemberNotFound, RendezvousError, RendezvousTimeout, ServerUnavailable
+from .progress import DEFAULT_EVERY_S, Progress, describe_wait
 from .transport import NOT_LEADER, Endpoints, LeaderStub, Tls, error_from_rpc, leader_hint, why_unreachable
 
 log = logging.getLogger("commctx")
@@ -114,10 +115,13 @@ class Session:
         """Starts connecting to the server now, so that `join` finds the connection up."""
         self._endpoints.connect()
 
-    def join(self, request: pb.JoinRequest, timeout_s: float) -> Assignment:
+    def join(self, request: pb.JoinRequest, timeout_s: float, progress_s: float = DEFAULT_EVERY_S,
+             progress_line: Callable[[str, pb.JobDescription], str] = describe_wait) -> Assignment:
         """Joins and blocks until placed in a world, then starts the session.
 
-        `request.master_port` is the worker's first spare port.
+        `request.master_port` is the worker's first spare port. While it waits,
+        every `progress_s` seconds (0: never) it says who it waits for
+        (progress.say, a line made by `progress_line`).
 
         Retries (with backoff) while the server is unreachable or the replica
         asked is not the leader, re-attaching to the same membership, until
@@ -133,6 +137,21 @@ class Session:
         self._job_id = request.job_id
         self._job_secret = request.job_secret  # a sealed job's: Leave carries it
         self._spare_port = request.master_port
+        with Progress(lambda r, t: self._endpoints.call("DescribeJob", r, t), request.job_id, request.job_secret,
+                      progress_s, progress_line):
+            response = self._join(request, timeout_s)
+        self._endpoints.succeeded()
+        self._ttl_s = response.lease_ttl_ms / 1000
+        self._ttl_known = True
+        self.assignment = Assignment.from_proto(response.assignment, response.member_id)
+        self.worker_assignments = tuple(response.worker_assignments)
+        self._generation = self.assignment.generation
+        self._thread = threading.Thread(target=self._run, name="commctx-session", daemon=True)
+        self._thread.start()
+        return self.assignment
+
+    def _join(self, request: pb.JoinRequest, timeout_s: float) -> pb.JoinResponse:
+        """The Join call, retried while the server cannot be reached (see join)."""
         deadline = time.monotonic() + timeout_s
         attempt = 0
         down_since: float | None = None  # since when no try has reached the server
@@ -169,15 +188,7 @@ class Session:
                 pause = min(pause, max(0.01, next_warning - now))  # the warning comes on time
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
             attempt += 1
-        self._endpoints.succeeded()
-        self._ttl_s = response.lease_ttl_ms / 1000
-        self._ttl_known = True
-        self.assignment = Assignment.from_proto(response.assignment, response.member_id)
-        self.worker_assignments = tuple(response.worker_assignments)
-        self._generation = self.assignment.generation
-        self._thread = threading.Thread(target=self._run, name="commctx-session", daemon=True)
-        self._thread.start()
-        return self.assignment
+        return response
 
     def _backoff(self, attempt: int) -> float:
         """The pause before try `attempt` + 1: at most a third of the lease once it is known."""

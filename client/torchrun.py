@@ -20,6 +20,9 @@ worker takes its own (launched.py), without a second wait on the server.
 
 Configuration (`--rdzv-conf key=value,...`):
     join_timeout       seconds to wait for the world (default 600)
+    progress_interval  while waiting, say every this many seconds how many nodes
+                       are there and who is missing (default COMMCTX_PROGRESS_S,
+                       else 10; 0: silent)
     last_call_timeout  seconds an elastic job waits for more nodes once
                        --nnodes' minimum is present (default 1)
     spec               a JSON file of the job's JobSpec (layout, roles, groups);
@@ -80,9 +83,10 @@ from torch.distributed.elastic.rendezvous.api import (
 from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch, errors
-from .errors import CommContextError, InvalidRequest, MemberNotFound, RendezvousTimeout, ServerUnavailable
+from .errors import CommContextError, InvalidArgument, InvalidRequest, MemberNotFound, RendezvousTimeout, ServerUnavailable
 from .launched import WORLD_ENV
-from .lifecycle import LauncherEnv, advertised_address, job_spec_of, listen_on
+from .lifecycle import LauncherEnv, advertised_address, job_spec_of, listen_on, progress_seconds
+from .progress import describe_wait, say
 from .netif import interface_of
 from .session import Session
 from .transport import tls_of
@@ -96,7 +100,7 @@ def create_handler(params: RendezvousParameters) -> CommctxRendezvousHandler:
 
 
 # --rdzv-conf keys commctx reads (see the module docstring).
-CONF_KEYS = ("join_timeout", "last_call_timeout", "spec", "node_key", "role", "nproc_per_node")
+CONF_KEYS = ("join_timeout", "last_call_timeout", "spec", "node_key", "role", "nproc_per_node", "progress_interval")
 # Keys accepted and ignored: torch's launcher's own, and those of torch's c10d backend.
 TORCH_CONF_KEYS = ("timeout", "rank")
 IGNORED_CONF_KEYS = (*TORCH_CONF_KEYS, "read_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt",
@@ -165,8 +169,13 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._nproc = local_world_size(params)
         self._min_nodes, self._max_nodes = params.min_nodes, params.max_nodes
         self._join_timeout = _seconds(params, "join_timeout", 600)
-        self._local_addr = params.local_addr
         launcher = LauncherEnv.from_env(env)
+        try:
+            self._progress_s = progress_seconds(
+                None if params.get("progress_interval") is None else _seconds(params, "progress_interval", 0), launcher)
+        except InvalidArgument as exc:
+            raise RendezvousError(f"commctx: {exc}") from None
+        self._local_addr = params.local_addr
         self._tls = tls_of(None, None, None, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
         self._token = launcher.token
         spec = self._spec(params)
@@ -258,7 +267,8 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._spare = listen_on(address)
         self._request.address = address
         self._request.master_port = self._spare.getsockname()[1]
-        self._session.join(self._request, self._join_timeout)  # one Join: it answers with every worker's assignment
+        self._session.join(self._request, self._join_timeout, self._progress_s,  # one Join: every worker's assignment
+                           lambda job, d: describe_wait(job, d, nodes_wanted=(self._min_nodes, self._max_nodes)))
         self._joined = True
         return self._session.worker_assignments
 
@@ -287,7 +297,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
                 os.unlink(self.world_file)
         self.world_file = path
         os.environ.update({"COMMCTX_SERVER": self._server, "COMMCTX_JOB_ID": self._run_id, WORLD_ENV: path})
-        log.info("commctx: job %s generation %d: node rank %d of %d, ranks %d..%d of %d, master %s:%d",
+        say("job %s generation %d: node rank %d of %d, ranks %d..%d of %d, master %s:%d",
                  self._run_id, first.generation, first.node_rank, first.num_nodes, first.rank,
                  first.rank + first.local_world_size - 1, first.world_size, first.master_addr, first.master_port)
         return RendezvousInfo(self._store, first.node_rank, first.num_nodes,

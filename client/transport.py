@@ -509,3 +509,6 @@ class LeaderStub:
 
     def ListJobs(self, request: pb.ListJobsRequest, timeout: float) -> pb.ListJobsResponse:
         return self.endpoints.call("ListJobs", request, timeout)
+
+    def ListEvents(self, request: pb.ListEventsRequest, timeout: float) -> pb.ListEventsResponse:
+        return self.endpoints.call("ListEvents", request, timeout)

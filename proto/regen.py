@@ -22,11 +22,15 @@ def generate(out_dir: pathlib.Path) -> None:
     Raises:
         RuntimeError: protoc reported an error.
     """
+    import importlib.resources
+
     from grpc_tools import protoc  # a development dependency only
 
+    well_known = importlib.resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
     args = [
         "protoc",
         f"-I{PROTO_ROOT}",
+        f"-I{well_known}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",

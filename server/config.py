@@ -99,6 +99,7 @@ SETTINGS = (
     Setting("max_streams", _count, "200000", "open Session streams at most; another gets RESOURCE_EXHAUSTED (its client retries)"),
     Setting("retain_ended_jobs", _count, "1000", "failed jobs kept after their last worker left, so that DescribeJob can say why; the oldest go first"),
     Setting("retain_ended_s", _positive, "300", "how long such a job is kept"),
+    Setting("max_events_per_job", _count, "1000", "a job's history (commctx events, the dashboard) keeps its last this many events"),
     Setting("max_connection_age_s", _positive, "3600", "a connection is closed (GOAWAY) after this long, its calls in flight then get --max-join-wait-s more; clients reconnect"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
     Setting("tls_key", str, "", "PEM private key of --tls-cert"),
@@ -138,6 +139,7 @@ class Config:
     retain_ended_jobs: int = 1000
     retain_ended_s: float = 300.0
     max_connection_age_s: float = 3600.0
+    max_events_per_job: int = 1000
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

@@ -135,10 +135,10 @@ class Replica:
         try:
             async with self._progress:
                 await asyncio.wait_for(self._progress.wait_for(lambda: self._revision >= epoch), self._ttl)
-            jobs, members = self._values("jobs"), self._values("members")
+            jobs, members, events = self._values("jobs"), self._values("members"), self._values("events")
         except TimeoutError:  # the watch lags: read the prefix itself
-            jobs = members = None
-        records = (await asyncio.to_thread(records_of, jobs, members) if jobs is not None
+            jobs = members = events = None
+        records = (await asyncio.to_thread(records_of, jobs, members, events) if jobs is not None
                    else await asyncio.to_thread(self._store.load))
         self.role = "leader"
         server.deposed.clear()

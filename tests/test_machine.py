@@ -13,6 +13,7 @@ from commctx.server.errors import AlreadyExists, Conflict, InvalidArgument, JobF
 from commctx.server.planning import JobSpec, PlanError, plan_world
 from commctx.server.rendezvous.machine import Actions, Rendezvous
 from commctx.server.rendezvous.model import (
+    Limits,
     Gone,
     JobState,
     JobStopped,
@@ -22,7 +23,7 @@ from commctx.server.rendezvous.model import (
     Replaced,
     WorldChange,
 )
-from commctx.server.rendezvous.store import DeleteJob, DeleteMember, MemoryStore, PutJob, PutMember
+from commctx.server.rendezvous.store import DeleteJob, DeleteMember, MemoryStore, PutEvent, PutJob, PutMember
 
 TTL = 10.0
 
@@ -98,7 +99,7 @@ def sessions(rdzv: Rendezvous, members, generation: int = 1, job: str = "job") -
 def test_a_fixed_world_forms_when_the_last_worker_joins(rdzv):
     spec = JobSpec.build(3)
     first, actions = join(rdzv, params(spec, "b"))
-    assert [type(w) for w in actions.writes] == [PutJob, PutMember] and not actions.wakes
+    assert [type(w) for w in actions.writes] == [PutJob, PutMember, PutEvent] and not actions.wakes
     assert actions.notes[0].event == "join" and actions.notes[0].fields["joined"] == 1
     join(rdzv, params(spec, "a"))
     last, actions = join(rdzv, params(spec, "a"))
@@ -199,7 +200,8 @@ def test_withdraw_before_forming_removes_after_forming_does_not(rdzv):
     spec = JobSpec.build(3)
     a, _ = join(rdzv, params(spec))
     actions = rdzv.withdraw("job", a)
-    assert actions.writes == [DeleteMember("job", a), DeleteJob("job")] and not actions.wakes
+    assert [w for w in actions.writes if not isinstance(w, PutEvent)] == [DeleteMember("job", a), DeleteJob("job")]
+    assert not actions.wakes
     assert rdzv.job_ids() == []
     members = [join(rdzv, params(spec))[0] for _ in range(3)]
     assert not rdzv.withdraw("job", members[0])
@@ -1015,3 +1017,65 @@ def test_describe_pages_the_world_then_the_waiting_nodes(rdzv):
     assert pages == [[("a", 0), ("c", 1)], [("d", 2), ("b", None)], []]
     assert [n.node_key for n in rdzv.describe("job", first_node=3, max_nodes=5).nodes] == ["b"]
     assert [n.node_key for n in rdzv.describe("job").nodes] == ["a", "c", "d", "b"]
+
+
+# -- a job's history ----------------------------------------------------------------------------
+
+
+def kinds(rdzv: Rendezvous, job: str = "job") -> list[str]:
+    return [e.kind for e in rdzv.events(job)]
+
+
+def test_a_jobs_life_is_in_its_events(rdzv, clock):
+    ids, sinks = elastic_world(rdzv)
+    assert kinds(rdzv) == ["joined", "formed"]  # three joins within a second: one event, counted
+    joined, formed = rdzv.events("job")
+    assert joined.fields["workers"] == 3 and "3 workers joined" in joined.message and "3 of 3 workers" in joined.message
+    assert (formed.generation, formed.fields["world_size"], formed.fields["nodes"]) == (1, 3, 3)
+    rdzv.close_session("job", ids[2], sinks[ids[2]], departed=True)
+    clock.now += GRACE
+    rdzv.expire_due()
+    lost, reforming, formed2 = rdzv.events("job")[2:]
+    assert (lost.kind, lost.fields["member"], lost.fields["rank"], lost.fields["why"]) == ("lost", ids[2], 2, "disconnected")
+    assert lost.message == f"member {ids[2]} (node 'n2', rank 2) disconnected: session closed without leave"
+    assert (reforming.kind, reforming.generation) == ("reforming", 1) and lost.message in reforming.message
+    assert (formed2.kind, formed2.generation) == ("formed", 2) and "disconnected" in formed2.message
+    rdzv.leave("job", ids[1])
+    assert kinds(rdzv)[5:] == ["left", "reforming"]  # rank 0 has not offered a new spare yet: awaited
+    assert [e.seq for e in rdzv.events("job")] == list(range(1, len(rdzv.events("job")) + 1))
+    assert rdzv.events("job", after=4) == rdzv.events("job")[4:] and len(rdzv.events("job", after=1, limit=2)) == 2
+
+
+def test_a_refusal_is_recorded_and_a_storm_of_it_counted(rdzv, clock):
+    spec = JobSpec.build(3)
+    join(rdzv, params(spec))
+    for _ in range(500):
+        with pytest.raises(Conflict):
+            rdzv.join(params(JobSpec.build(4), "other"))
+    actions = rdzv.take_outbox()
+    assert [type(w) for w in actions.writes] == [PutEvent] and len(actions.events) == 1
+    refused = rdzv.events("job")[-1]
+    assert refused.kind == "refused" and "world_size=3 but this worker asked for world_size=4" in refused.message
+    view = rdzv.describe("job")
+    assert view.refused == 500 and "world_size=4" in view.last_refused
+    clock.now += 10  # the same reason again after the quiet time: one more event, saying how many it stood for
+    with pytest.raises(Conflict):
+        rdzv.join(params(JobSpec.build(4), "other"))
+    assert "(499 more like it since the last)" in rdzv.events("job")[-1].message
+    assert kinds(rdzv) == ["joined", "refused", "refused"] and len(rdzv.take_outbox().events) == 1
+
+
+def test_the_history_keeps_its_last_events_and_survives_a_restart(clock):
+    store = MemoryStore()
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=clock, limits=Limits(max_events_per_job=5))
+    spec = JobSpec.build(100)
+    epoch = store.take_over()
+    for i in range(12):
+        _, actions = join(rdzv, params(spec, f"n{i}"))
+        store.commit(actions.writes, epoch)
+        clock.now += 1  # joins a second apart: separate events
+    assert [e.seq for e in rdzv.events("job")] == [8, 9, 10, 11, 12]
+    restored = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=clock, limits=Limits(max_events_per_job=5))
+    restored.restore(store.load(), grace_s=TTL)
+    assert restored.events("job") == rdzv.events("job")
+    assert len(store.load()[0].events) <= 5 + 64  # the store forgets the dropped ones now and then

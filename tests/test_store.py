@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from commctx.server.errors import NotFound
 from commctx.server.planning import JobSpec, SeatedNode, Seating
 from commctx.server.rendezvous.machine import Rendezvous
-from commctx.server.rendezvous.model import JobState, JoinParams, job_secret_digest, secret_digest
+from commctx.server.rendezvous.model import JobEvent, JobState, JoinParams, job_secret_digest, secret_digest
 from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
 from commctx.server.rendezvous.sqlite import SqliteStore
 from commctx.v1 import rendezvous_pb2 as pb
@@ -32,9 +32,11 @@ from commctx.server.rendezvous.store import (
     JobRecord,
     MemberRecord,
     MemoryStore,
+    PutEvent,
     PutJob,
     PutMember,
     StoreError,
+    TrimEvents,
 )
 
 from .etcd import Etcd, etcd_binary
@@ -94,6 +96,25 @@ WORLD = Seating((SeatedNode("a", "10.0.0.1", ("m1", "m2")),), ("t", "r"), "10.0.
 def member(mid: str, seq: int, port: int = 0) -> MemberRecord:
     return MemberRecord(mid, seq, "a", "10.0.0.1", port or 5000 + seq, None if seq % 2 else 1, None, "t", secret_digest(f"{seq:032x}"),
                         2 if seq % 2 else 1)  # odd: a node membership of 2 workers
+
+
+def test_events_round_trip_replace_trim_and_go_with_their_job(make_store):
+    s = make_store()
+    epoch = s.take_over()
+    ev = [JobEvent(i, 1_800_000_000.0 + i, "joined", 0, f"event {i} <b>", {"member": f"m{i}", "rank": None, "n": i})
+          for i in range(1, 6)]
+    s.commit([PutJob(JobRecord("j", SPEC, "forming", 0, "", None)), PutJob(JobRecord("k", SPEC, "forming", 0, "", None)),
+              *(PutEvent("j", e) for e in ev), PutEvent("k", ev[0])], epoch)
+    grown = ev[4]._replace(message="event 5, counted twice", fields={"workers": 2})
+    s.commit([PutEvent("j", grown), TrimEvents("j", 3)], epoch)  # the same seq replaced; seq 1 and 2 forgotten
+    s.close()
+    s = make_store()
+    loaded = {j.job_id: j for j in s.load()}
+    assert loaded["j"].events == (ev[2], ev[3], grown)
+    assert loaded["k"].events == (ev[0],)
+    s.commit([DeleteJob("j")], s.take_over())
+    s.close()
+    assert [(j.job_id, j.events) for j in make_store().load()] == [("k", (ev[0],))]
 
 
 def test_roundtrip(make_store):
@@ -170,7 +191,7 @@ def old_database(tmp_path: pathlib.Path, version: int) -> pathlib.Path:
 def test_a_first_release_database_is_migrated(tmp_path):
     directory = old_database(tmp_path, 1)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 5  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
     restored, _ = machine.restore(store.load(), grace_s=10)
     assert restored == 4
@@ -206,7 +227,7 @@ def test_a_first_release_database_is_migrated(tmp_path):
 def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(tmp_path):
     directory = old_database(tmp_path, 2)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 5  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
     assert machine.restore(store.load(), grace_s=10)[0] == 2
     assert dict(machine.world_of("pair").plan.ranks) == {"00000000000000a1": 0, "00000000000000a2": 1}
@@ -230,7 +251,7 @@ def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(
 def test_a_schema_3_database_is_migrated_and_its_members_are_single_workers(tmp_path):
     directory = old_database(tmp_path, 3)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 4  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 5  # noqa: SLF001
     assert {m.member_id: m.workers for j in store.load() for m in j.members} == {
         "00000000000000b1": 1, "00000000000000b2": 1, "00000000000000b3": 1}
     machine = Rendezvous(lease_ttl_s=10)
@@ -260,7 +281,7 @@ def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     db = sqlite3.connect(future / "commctx.sqlite3")
     db.execute("PRAGMA user_version = 9")
     db.close()
-    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 4"):
+    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 5"):
         SqliteStore(future)
 
 

@@ -379,7 +379,7 @@ def test_a_misspelt_rdzv_conf_key_is_an_error_naming_the_closest_key(key, sugges
         commctx_handler(**{key: "15"})
     message = str(raised.value)
     assert message.startswith(f"commctx: unknown --rdzv-conf key {key!r}: did you mean {suggested}? (commctx reads "
-                              f"join_timeout, last_call_timeout, spec, node_key, role, nproc_per_node; it ignores "), message
+                              f"join_timeout, last_call_timeout, spec, node_key, role, nproc_per_node, progress_interval; it ignores "), message
     assert "\n" not in message
     with pytest.raises(RendezvousError, match=r"unknown --rdzv-conf key 'colour' \(commctx reads"):
         commctx_handler(colour="blue")  # nothing close: no suggestion

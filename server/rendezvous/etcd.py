@@ -7,6 +7,7 @@ Keys under the prefix (default `/commctx`):
     {prefix}/leader                       the writer: its address, on its election lease (HA)
     {prefix}/jobs/{job_id}                a JobRecord, JSON with named fields
     {prefix}/members/{job_id}/{member_id} a MemberRecord, JSON with named fields
+    {prefix}/events/{job_id}/{seq:020}    a JobEvent of the job's history, JSON with named fields
 
 Fencing: the epoch is the leader key's `mod_revision` as its writer wrote it.
 Every commit is a transaction comparing it, so a writer whose key expired or
@@ -35,14 +36,17 @@ import grpc
 from aetcd import rpc
 
 from ..planning import JobSpec
+from .model import JobEvent
 from .store import (
     DeleteJob,
     DeleteMember,
     Fenced,
     JobRecord,
     MemberRecord,
+    PutEvent,
     PutJob,
     PutMember,
+    TrimEvents,
     Store,
     StoreError,
     Write,
@@ -133,21 +137,36 @@ def member_value(job_id: str, m: MemberRecord) -> bytes:
     return json.dumps({"job_id": job_id, **m._asdict()}, separators=(",", ":")).encode()
 
 
-def records_of(jobs: Sequence[bytes], members: Sequence[bytes]) -> list[JobRecord]:
-    """JobRecords from the values of job and member keys, ordered by job id,
-    each job's members in join order (members without their job are dropped)."""
+def event_value(job_id: str, e: JobEvent) -> bytes:
+    return json.dumps({"job_id": job_id, "seq": e.seq, "time": e.time, "kind": e.kind, "generation": e.generation,
+                       "message": e.message, "fields": dict(e.fields)}, separators=(",", ":")).encode()
+
+
+def event_key(config: EtcdConfig, job_id: str, seq: int) -> bytes:
+    return config.key_of("events", job_id, f"{seq:020d}")
+
+
+def records_of(jobs: Sequence[bytes], members: Sequence[bytes], events: Sequence[bytes] = ()) -> list[JobRecord]:
+    """JobRecords from the values of job, member and event keys, ordered by job
+    id, each job's members in join order and events by seq (those without
+    their job are dropped)."""
     by_job: dict[str, list[MemberRecord]] = {}
     for value in members:
         m = json.loads(value)
         job_id = m.pop("job_id")
         by_job.setdefault(job_id, []).append(MemberRecord(**m))
+    history: dict[str, list[JobEvent]] = {}
+    for value in events:
+        e = json.loads(value)
+        history.setdefault(e.pop("job_id"), []).append(JobEvent(**e))
     out = []
     for value in jobs:
         j = json.loads(value)
         world = seating_from_record(j["world"]) if j["world"] is not None else None
         ms = tuple(sorted(by_job.get(j["job_id"], ()), key=lambda m: m.seq))
         out.append(JobRecord(j["job_id"], JobSpec.from_json(j["spec"]), j["state"], j["generation"], j["reason"],
-                             world, ms, j["seal"], j.get("since", 0.0), j.get("retained_until", 0.0)))
+                             world, ms, j["seal"], j.get("since", 0.0), j.get("retained_until", 0.0),
+                             tuple(sorted(history.get(j["job_id"], ())))))
     return sorted(out, key=lambda j: j.job_id)
 
 
@@ -183,6 +202,16 @@ def transactions(config: EtcdConfig, writes: Sequence[Write]) -> Iterator[list[r
         txn.ops[key] = op
         txn.size += size
 
+    def add_range(start: bytes, end: bytes) -> Iterator[list[rpc.RequestOp]]:
+        """A range delete: puts of its keys earlier in this transaction are superseded."""
+        nonlocal txn
+        if len(txn.ops) + len(txn.ranges) >= config.max_txn_ops:
+            yield list(txn.ops.values()) + [_delete(s, e) for s, e in txn.ranges]
+            txn = _Txn()
+        for k in [k for k in txn.ops if start <= k < end]:
+            del txn.ops[k]
+        txn.ranges.append((start, end))
+
     for w in writes:
         if isinstance(w, PutMember):
             key, value = config.key_of("members", w.job_id, w.record.member_id), member_value(w.job_id, w.record)
@@ -193,14 +222,17 @@ def transactions(config: EtcdConfig, writes: Sequence[Write]) -> Iterator[list[r
         elif isinstance(w, DeleteMember):
             key = config.key_of("members", w.job_id, w.member_id)
             yield from add(key, rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), len(key))
+        elif isinstance(w, PutEvent):
+            key, value = event_key(config, w.job_id, w.event.seq), event_value(w.job_id, w.event)
+            yield from add(key, rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)), len(value))
+        elif isinstance(w, TrimEvents):
+            yield from add_range(config.key_of("events", w.job_id, ""), event_key(config, w.job_id, w.first_kept))
         elif isinstance(w, DeleteJob):
             key = config.key_of("jobs", w.job_id)
             yield from add(key, rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), len(key))
-            start = config.key_of("members", w.job_id, "")
-            end = prefix_end(start)
-            for k in [k for k in txn.ops if start <= k < end]:  # superseded by the range delete
-                del txn.ops[k]
-            txn.ranges.append((start, end))
+            for kind in ("members", "events"):
+                start = config.key_of(kind, w.job_id, "")
+                yield from add_range(start, prefix_end(start))
     if txn.ops or txn.ranges:
         yield list(txn.ops.values()) + [_delete(s, e) for s, e in txn.ranges]
 
@@ -263,9 +295,10 @@ class EtcdStore(Store):
                     raise Fenced(f"epoch {epoch} was fenced by epoch {kvs[0].mod_revision if kvs else 'none (no leader)'}")
 
     def load(self) -> list[JobRecord]:
-        reply = self._call(self._kv.Txn, rpc.TxnRequest(success=[self._range("jobs"), self._range("members")]))
-        jobs, members = (r.response_range.kvs for r in reply.responses)
-        return records_of([kv.value for kv in jobs], [kv.value for kv in members])
+        reply = self._call(self._kv.Txn, rpc.TxnRequest(success=[self._range("jobs"), self._range("members"),
+                                                                  self._range("events")]))
+        jobs, members, events = (r.response_range.kvs for r in reply.responses)
+        return records_of([kv.value for kv in jobs], [kv.value for kv in members], [kv.value for kv in events])
 
     def _range(self, name: str) -> rpc.RequestOp:
         start = self.config.key_of(name, "")

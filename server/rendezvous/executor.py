@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from ..errors import Conflict, NotFound, Unavailable
 from .deadlines import Deadlines
+from .history import Watchers
 from .machine import Actions, Rendezvous, plan_or_error
 from .model import JobStopped, MemberGone, NewWorld, Note, PlanRequest, WaitOutcome
 from .store import Fenced, Store, StoreError
@@ -152,6 +153,7 @@ class Executor:
         waiters: Waiters,
         notes: Callable[[Note], None],
         *,
+        watchers: Watchers | None = None,
         on_store_error: Callable[[Exception | None], None] = lambda exc: None,
         on_fenced: Callable[[Fenced], None] = lambda exc: None,
         retry_s: float = 1.0,
@@ -161,6 +163,7 @@ class Executor:
         self._epoch = epoch
         self._waiters = waiters
         self._notes = notes
+        self.watchers = watchers if watchers is not None else Watchers()
         self._on_store_error = on_store_error
         self._on_fenced = on_fenced
         self._retry_s = retry_s
@@ -200,7 +203,8 @@ class Executor:
         self._task = None
 
     def submit(self, actions: Actions) -> None:
-        """Queues a transition's actions."""
+        """Queues a transition's actions (and what transitions that raised still implied)."""
+        actions = self._with_outbox(actions)
         if actions:
             self._queue.append((actions, None))
             self._ready.set()
@@ -215,11 +219,19 @@ class Executor:
         """
         if self._closed is not None:
             raise self._closed
+        actions = self._with_outbox(actions)
         done = asyncio.get_running_loop().create_future()
         self._queue.append((actions, done))
         self._ready.set()
         self._rearm()
         await done
+
+    def _with_outbox(self, actions: Actions) -> Actions:
+        outbox = self._machine.take_outbox() if self._machine.has_outbox else None
+        if outbox is None:
+            return actions
+        outbox.extend(actions)
+        return outbox
 
     async def settled(self) -> None:
         """Returns once everything submitted so far is carried out."""
@@ -245,6 +257,8 @@ class Executor:
                 for actions, done in batch:
                     for note in actions.notes:
                         self._notes(note)
+                    for job_id, event in actions.events:
+                        self.watchers.publish(job_id, event)
                     for i, (sink, event) in enumerate(actions.pushes):
                         sink.put_nowait(event)
                         if i % SLICE == SLICE - 1:

@@ -40,6 +40,7 @@ reaper pops only what is due.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import ipaddress
@@ -50,13 +51,24 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-from ..errors import AlreadyExists, Conflict, JobFull, LimitExceeded, NotFound, PermissionDenied, StaleGeneration
+from ..errors import (
+    AlreadyExists,
+    Conflict,
+    JobFull,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    RendezvousError,
+    StaleGeneration,
+)
 from ..planning import JobSpec, PlanError, WorldPlan, build_plan, elide, plan_world
 from .deadlines import Deadlines
 from .model import (
     DISCONNECTED,
+    EventKind,
     Gone,
     Job,
+    JobEvent,
     JobState,
     JobStopped,
     JobView,
@@ -79,7 +91,7 @@ from .model import (
     job_secret_matches,
     secret_matches,
 )
-from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutJob, PutMember, Write
+from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutEvent, PutJob, PutMember, TrimEvents, Write
 
 log = logging.getLogger("commctx.server")
 
@@ -92,7 +104,7 @@ class Actions:
     persist `writes`, hand `notes` to telemetry, put `pushes` in session sinks,
     wake Join waiters with `wakes`, and plan `plans` off the event loop."""
 
-    __slots__ = ("writes", "notes", "pushes", "wakes", "plans")
+    __slots__ = ("writes", "notes", "pushes", "wakes", "plans", "events")
 
     def __init__(self) -> None:
         self.writes: list[Write] = []
@@ -100,13 +112,18 @@ class Actions:
         self.pushes: list[tuple[object, SessionEvent]] = []  # (session sink, event)
         self.wakes: list[tuple[str, WaitOutcome]] = []  # (job id, outcome)
         self.plans: list[PlanRequest] = []
+        self.events: list[tuple[str, JobEvent]] = []  # (job id, event) for those watching its history
 
     def __bool__(self) -> bool:
-        return bool(self.writes or self.notes or self.pushes or self.wakes or self.plans)
+        return bool(self.writes or self.notes or self.pushes or self.wakes or self.plans or self.events)
+
+    def extend(self, other: Actions) -> None:
+        for name in self.__slots__:
+            getattr(self, name).extend(getattr(other, name))
 
     def __repr__(self) -> str:
         return (f"Actions(writes={self.writes!r}, notes={self.notes!r}, pushes={self.pushes!r}, wakes={self.wakes!r}, "
-                f"plans={self.plans!r})")
+                f"plans={self.plans!r}, events={self.events!r})")
 
 
 def plan_or_error(candidates: list, spec: JobSpec) -> WorldPlan | PlanError:
@@ -162,7 +179,10 @@ class Rendezvous:
         self._seq = 0
         # Jobs that failed, kept a while after their last worker left so that
         # DescribeJob can still say why.
-        self._failed: dict[str, tuple[JobView, float]] = {}
+        self._failed: dict[str, tuple[JobView, float, Iterable[JobEvent]]] = {}  # view, until, history
+        # What a transition that raised still implies (a refused join's event):
+        # the executor takes it with the next actions it is given (take_outbox).
+        self._outbox = Actions()
         self._leases = Deadlines()  # (job id, member id)
         self._last_calls = Deadlines()  # job id
         self._tombstones = Deadlines()  # job id
@@ -190,23 +210,25 @@ class Rendezvous:
         """
         job = self._jobs.get(p.job_id)
         if job is not None:
-            self._check_seal(job, p)  # first: a stranger learns nothing about a sealed job
-        if job is not None and p.member_id and p.member_id in job.members:
-            return self._reattach(job, p)
-        if job is not None:
-            self._check_admissible(job, p)
-            node = job.nodes.get(p.node_key)
-            if node is not None:
-                self._check_node(job, node, p)
-            elif p.node_rank is not None and p.node_rank in job.node_ranks:
-                raise AlreadyExists(
-                    f"node_rank {p.node_rank} is already held by node {job.node_ranks[p.node_rank]!r} "
-                    f"in job {p.job_id!r}; node {p.node_key!r} cannot take it"
-                )
-
-        if self._members >= self.limits.max_members:
-            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_members} members (--max-members); "
-                                f"node {p.node_key!r} cannot join job {p.job_id!r} now")
+            try:
+                self._check_seal(job, p)  # first: a stranger learns nothing about a sealed job
+                if p.member_id and p.member_id in job.members:
+                    return self._reattach(job, p)
+                self._check_admissible(job, p)
+                node = job.nodes.get(p.node_key)
+                if node is not None:
+                    self._check_node(job, node, p)
+                elif p.node_rank is not None and p.node_rank in job.node_ranks:
+                    raise AlreadyExists(
+                        f"node_rank {p.node_rank} is already held by node {job.node_ranks[p.node_rank]!r} "
+                        f"in job {p.job_id!r}; node {p.node_key!r} cannot take it"
+                    )
+                self._check_room(p)
+            except RendezvousError as exc:
+                self._refused(job, p, exc)
+                raise
+        else:
+            self._check_room(p)
         if job is None and len(self._jobs) >= self.limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
@@ -214,7 +236,8 @@ class Rendezvous:
         actions = Actions()
         if job is None:
             p.spec.check_declared(p.job_id, p.role)
-            self._failed.pop(p.job_id, None)
+            if self._failed.pop(p.job_id, None) is not None:
+                actions.events.append((p.job_id, None))  # the failed job of this id is gone: its watches end
             job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now)
             job.seal = p.seal
             actions.writes.append(PutJob(self._record(job)))
@@ -226,6 +249,10 @@ class Rendezvous:
         actions.writes.append(PutMember(job.job_id, _member_record(member_id, member)))
         actions.notes.append(Note("join", {"job": job.job_id, "member": member_id, "node": member.node_key, "role": p.role,
                                            "joined": job.workers, "world_size": job.spec.world_size}))
+        what = f"{p.workers} workers of node {p.node_key!r}" if p.workers > 1 else f"a worker of node {p.node_key!r}"
+        self._event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; "
+                                           f"{job.workers} of {job.spec.world_size} workers",
+                    actions, member=member_id, node=p.node_key, role=p.role, workers=p.workers)
         if job.state is JobState.FORMED:
             waiting = job.workers - job.placed
             if job.workers == len(job.members) or self._grows(job):
@@ -234,6 +261,86 @@ class Rendezvous:
             self._maybe_form(job, actions)
         self._arm_last_call(job)
         return Joined(job.job_id, member_id, self.lease_ttl_s, job.workers), actions, None
+
+    def _check_room(self, p: JoinParams) -> None:
+        if self._members >= self.limits.max_members:
+            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_members} members (--max-members); "
+                                f"node {p.node_key!r} cannot join job {p.job_id!r} now")
+
+    def _refused(self, job: Job, p: JoinParams, exc: RendezvousError) -> None:
+        """Counts a refused join in the job; records it in the job's history
+        unless the same refusal was recorded within Refusals.QUIET_S."""
+        reason = str(exc)
+        held = job.refused.note(reason, self._clock())
+        if held is not None:
+            more = f" ({held} more like it since the last)" if held else ""
+            self._event(job, EventKind.REFUSED, f"refused node {p.node_key!r}: {reason}{more}", self._outbox,
+                        node=p.node_key, error=type(exc).__name__, held=held)
+
+    @property
+    def has_outbox(self) -> bool:
+        return bool(self._outbox)
+
+    def take_outbox(self) -> Actions:
+        """What transitions that raised still implied (refusals' events), to carry out now."""
+        out, self._outbox = self._outbox, Actions()
+        return out
+
+    # -- history -----------------------------------------------------------------
+
+    JOIN_COALESCE_S = 1.0  # joins within this long of a job's "joined" event are counted in it
+
+    def _event(self, job: Job, kind: EventKind, message: str, actions: Actions, **fields: object) -> None:
+        """Appends an event to the job's history (the last max_events_per_job are kept):
+        persisted with the transition's writes, then published to its watchers."""
+        now = self._wall()
+        events = job.events
+        if events.maxlen != self.limits.max_events_per_job:
+            job.events = events = collections.deque(events, maxlen=self.limits.max_events_per_job)
+        last = events[-1] if events else None
+        if (kind is EventKind.JOINED and last is not None and last.kind == EventKind.JOINED.value
+                and last.generation == job.generation and now - last.fields.get("first", last.time) < self.JOIN_COALESCE_S):
+            count = last.fields.get("workers", 1) + fields.get("workers", 1)
+            first = last.fields.get("first", last.time)
+            event = last._replace(time=now, message=f"{count} workers joined in {now - first:.1f} s (the last on node "
+                                                    f"{fields.get('node')!r}); {job.workers} of {job.spec.world_size} workers",
+                                  fields={**fields, "workers": count, "first": first})
+            events[-1] = event  # a count that grew: the same seq, replaced
+        else:
+            event = JobEvent(last.seq + 1 if last is not None else 1, now, kind.value, job.generation, message, fields)
+            dropped = len(events) == events.maxlen
+            events.append(event)
+            if dropped and events[0].seq % 64 == 0:  # the store forgets the dropped ones now and then, not each time
+                actions.writes.append(TrimEvents(job.job_id, events[0].seq))
+        actions.writes.append(PutEvent(job.job_id, event))
+        actions.events.append((job.job_id, event))
+
+    def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None) -> list[JobEvent]:
+        """The job's kept events of seq above `after` (at most `limit`), of a
+        job held or a failed one kept; for a sealed job, given its secret (None:
+        not checked).
+
+        Raises:
+            NotFound: an unknown job.
+            PermissionDenied: the job is sealed and `secret` does not open it.
+        """
+        job = self._jobs.get(job_id)
+        if job is not None:
+            seal, history = job.seal, job.events
+        elif job_id in self._failed:
+            view, _, history = self._failed[job_id]
+            seal = view.seal
+        else:
+            raise NotFound(f"no job {elide(job_id)} on this server")
+        if secret is not None and not job_secret_matches(seal, secret):
+            raise PermissionDenied(f"job {job_id!r} is sealed: give its job_secret to read its events")
+        out = []
+        for event in reversed(history):  # the newest first: a follower asks for a few after its cursor
+            if event.seq <= after:
+                break
+            out.append(event)
+        out.reverse()
+        return out if limit is None else out[:limit]
 
     @staticmethod
     def _add_member(job: Job, member_id: str, p: JoinParams, seq: int) -> Member:
@@ -363,6 +470,7 @@ class Rendezvous:
         job.suspects = {mid for mid in job.survivors()
                         if job.members[mid].lease_deadline < stale_before or (confirmed is not None and mid != confirmed)}
         actions.notes.append(Note("reforming", {"job": job.job_id, "generation": job.generation, "reason": reason}))
+        self._event(job, EventKind.REFORMING, f"generation {job.generation} is re-forming: {reason}", actions, reason=reason)
         self._maybe_form(job, actions)
         if job.state is JobState.FORMING:
             self._announce(job, actions)
@@ -519,11 +627,17 @@ class Rendezvous:
         actions.wakes.append((job.job_id, world))
         actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,
                                              "nodes": plan.num_nodes, "seconds": round(formed_in_s, 3)}))
+        self._event(job, EventKind.FORMED, f"generation {job.generation} formed: {plan.world_size} worker"
+                                           f"{'s' * (plan.world_size != 1)} on {plan.num_nodes} node{'s' * (plan.num_nodes != 1)} "
+                                           f"in {formed_in_s:.2f} s" + (f" ({reason})" if reason else ""),
+                    actions, world_size=plan.world_size, nodes=plan.num_nodes, seconds=round(formed_in_s, 3), reason=reason)
 
     def _stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
         """The job cannot go on: FAILED or ENDED. Every session and waiter hears why."""
         job.state, job.reason, job.suspects = state, reason, set()
         actions.notes.append(Note("failed" if state is JobState.FAILED else "ended", {"job": job.job_id, "reason": reason}))
+        kind = EventKind.FAILED if state is JobState.FAILED else EventKind.ENDED
+        self._event(job, kind, f"{'failed' if kind is EventKind.FAILED else 'finished'}: {reason}", actions, reason=reason)
         actions.writes.append(PutJob(self._record(job)))
         gone = Gone(f"job {job.job_id!r} {verb}: {reason}", state is JobState.ENDED)
         actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
@@ -740,6 +854,7 @@ class Rendezvous:
             if kept is not None and kept[1] <= now:
                 del self._failed[entry[1]]
                 actions.writes.append(DeleteJob(entry[1]))
+                actions.events.append((entry[1], None))  # gone: its watches end
         return actions, self.next_deadline() <= now
 
     def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
@@ -762,6 +877,12 @@ class Rendezvous:
                 job.node_ranks.pop(node.node_rank, None)
         actions.writes.append(DeleteMember(job.job_id, member_id))
         actions.notes.append(Note("removed", {"job": job.job_id, "member": member_id, "why": why}))
+        rank = job.plan.ranks.get(member_id) if in_world else None
+        where = f"node {member.node_key!r}" + (f", rank {rank}" if rank is not None else "")
+        said = "withdrew (its Join call ended before it was placed)" if why == "withdrawn" else _SAID.get(why, why)
+        self._event(job, EventKind.LEFT if why in ("left", "withdrawn") else EventKind.LOST,
+                    f"member {member_id} ({where}) {said}", actions, member=member_id, node=member.node_key,
+                    rank=rank, why=why)
         if member.session is not None and why != "left":
             actions.pushes.append((member.session, Gone(f"member {member_id} {_SAID.get(why, why)}")))
         if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
@@ -773,6 +894,7 @@ class Rendezvous:
                 actions.writes.append(PutJob(self._record(job, self._wall() + self.limits.retain_ended_s)))
             else:
                 actions.writes.append(DeleteJob(job.job_id))
+                actions.events.append((job.job_id, None))  # gone: its watches end
         elif in_world and job.generation > 0 and job.state in (JobState.FORMED, JobState.FORMING):
             self._lost(job, member_id, member, why, actions)
         elif job.state is JobState.FORMING:
@@ -782,11 +904,12 @@ class Rendezvous:
         """Keeps a failed job without workers for `for_s` seconds (at most
         retain_ended_jobs of them: the oldest go first, from the store too)."""
         until = self._clock() + for_s
-        self._failed[job.job_id] = (self._view(job), until)
+        self._failed[job.job_id] = (self._view(job), until, job.events)
         while len(self._failed) > self.limits.retain_ended_jobs:
             oldest = next(iter(self._failed))
             del self._failed[oldest]
             actions.writes.append(DeleteJob(oldest))
+            actions.events.append((oldest, None))
         self._tombstones.push(until, job.job_id)
 
     def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions) -> None:
@@ -825,6 +948,7 @@ class Rendezvous:
             job = Job(record.job_id, spec, False, now)
             job.state, job.generation, job.reason = JobState(record.state), record.generation, record.reason
             job.seal = record.seal
+            job.events = collections.deque(record.events, maxlen=self.limits.max_events_per_job)
             if record.since:  # AGE goes on from when it began, not from the restart
                 job.forming_since = now - max(0.0, wall - record.since)
             if record.world is not None:
@@ -937,6 +1061,8 @@ class Rendezvous:
             waiting=job.workers - job.placed if formed else 0,
             not_ready=len(job.suspects),
             seal=job.seal,
+            refused=job.refused.count,
+            last_refused=job.refused.last,
         )
 
     def job_ids(self) -> list[str]:

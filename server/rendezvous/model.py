@@ -4,6 +4,7 @@ events, waiter outcomes, views). Pure: no asyncio, no grpc."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import hashlib
@@ -91,6 +92,7 @@ class Limits:
     retain_ended_jobs: int = 1000  # failed jobs kept (after their last worker left) so DescribeJob can say why
     retain_ended_s: float = 300.0  # ... and for how long
     max_connection_age_s: float = 3600.0  # then GOAWAY; calls in flight get max_join_wait_s + 1 s more
+    max_events_per_job: int = 1000  # a job's history keeps its last this many events
 
 
 class JoinParams(NamedTuple):
@@ -169,6 +171,32 @@ class Lease(enum.Enum):
 # Why a member whose session ended without a Leave, and was not back within the
 # reconnect grace, was removed (beside "left", "expired" and "withdrawn").
 DISCONNECTED = "disconnected"
+
+
+class EventKind(str, enum.Enum):
+    """What a job's event records (its history, as ListEvents and the dashboard show it)."""
+
+    JOINED = "joined"  # workers joined (consecutive joins within a second are one event, counted)
+    REFUSED = "refused"  # a join was refused (a storm of the same refusal is counted, not stored each time)
+    FORMED = "formed"  # a generation formed: its size, nodes and how long it took
+    REFORMING = "reforming"  # the formed world is being replaced, and why
+    LOST = "lost"  # a member expired, or its session closed without a Leave
+    LEFT = "left"  # a member left (or withdrew its Join before it was placed)
+    FAILED = "failed"  # the job cannot form or go on
+    ENDED = "ended"  # members left and too few remain: the job finished
+
+
+class JobEvent(NamedTuple):
+    """One entry of a job's history. `seq` counts from 1 per job; `time` is
+    wall-clock seconds since the epoch; `fields` holds the structured details
+    (member, node, rank, why, world_size, nodes, seconds, count, ...)."""
+
+    seq: int
+    time: float
+    kind: str  # an EventKind value
+    generation: int  # the job's generation when it happened (a formed event: the new one)
+    message: str
+    fields: Mapping[str, Any] = {}
 
 
 class Joined(NamedTuple):
@@ -329,7 +357,7 @@ class Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
-        "last_call_armed", "version", "planning", "seal", "node_order", "workers",
+        "last_call_armed", "version", "planning", "seal", "node_order", "workers", "events", "refused",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -356,6 +384,8 @@ class Job:
         self.planning = -1  # the version a plan is being computed for off the loop, or -1
         self.seal = ""  # digest of the job secret ("": an open job)
         self.node_order: tuple[int, frozenset[str]] | None = None  # the node keys of `plan`, by generation (Rendezvous._node_page)
+        self.events: collections.deque[JobEvent] = collections.deque()  # its history, the last max_events_per_job
+        self.refused: Refusals = Refusals()
 
     def in_world(self, member_id: str) -> bool:
         """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""
@@ -374,6 +404,38 @@ class Job:
         if self.spec.min_size is not None:
             return what + (f"; {missing} missing for the minimum of {self.spec.min_size}" if missing > 0 else "; waiting for the last call")
         return f"{what}; {missing} missing"
+
+
+class Refusals:
+    """The joins a job refused: how many, the last one's reason, and when each
+    reason was last recorded as an event (a storm of one reason is counted
+    between two events of it, not stored each time)."""
+
+    __slots__ = ("count", "last", "recorded", "held")
+    QUIET_S = 10.0  # the same reason is recorded at most once per this many seconds
+    KEPT = 64  # reasons remembered (the oldest forgotten first)
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last = ""
+        self.recorded: dict[str, float] = {}  # reason -> when its last event was recorded
+        self.held: dict[str, int] = {}  # reason -> refusals of it since that event
+
+    def note(self, reason: str, now: float) -> int | None:
+        """Counts a refusal. Returns how many like it were held back since its
+        last event when this one is to be recorded, else None (counted only)."""
+        self.count += 1
+        self.last = reason
+        last = self.recorded.get(reason)
+        if last is not None and now - last < self.QUIET_S:
+            self.held[reason] = self.held.get(reason, 0) + 1
+            return None
+        self.recorded.pop(reason, None)
+        self.recorded[reason] = now
+        while len(self.recorded) > self.KEPT:
+            self.held.pop(next(iter(self.recorded)), None)
+            del self.recorded[next(iter(self.recorded))]
+        return self.held.pop(reason, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -403,6 +465,8 @@ class JobView:
     waiting: int = 0  # joined a formed world, wait for the next generation
     not_ready: int = 0  # re-forming: survivors awaited before the next world can form
     seal: str = ""  # digest of the job secret ("": an open job); never sent
+    refused: int = 0  # joins refused since the job began (its history holds the reasons)
+    last_refused: str = ""  # the last refusal's reason
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

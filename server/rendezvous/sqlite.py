@@ -1,10 +1,12 @@
 """The SQLite store: one file under the state directory, in WAL mode.
 
-Schema version 3 (`PRAGMA user_version`), named columns throughout; specs and
+Schema version 5 (`PRAGMA user_version`), named columns throughout; specs and
 seatings are JSON objects with named fields (store.py); members keep the
-SHA-256 digest of their secret. Older files are migrated in place when
-opened: version 2 (no member secrets) and version 1 (the first release's: the
-spec as the wire message's bytes, worlds as positional JSON tuples).
+SHA-256 digest of their secret; each job's history is a table of events.
+Older files are migrated in place when opened: version 4 (no events), 3 (no
+node memberships, forming times or kept failed jobs), 2 (no member secrets)
+and 1 (the first release's: the spec as the wire message's bytes, worlds as
+positional JSON tuples).
 
 One state directory, one server: the store holds an exclusive, non-blocking
 `flock` on `commctx.lock` in the directory for as long as it is open (the
@@ -41,24 +43,29 @@ import threading
 from collections.abc import Sequence
 
 from ..planning import Candidate, PlanError, seat
+from .model import JobEvent
 from .store import (
     DeleteJob,
     DeleteMember,
     Fenced,
     JobRecord,
     MemberRecord,
+    PutEvent,
     PutJob,
     PutMember,
+    TrimEvents,
     Store,
     StoreError,
     Write,
+    event_fields_json,
+    event_of,
     seating_from_record,
     seating_record,
     spec_from_json,
     spec_json,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 FILE_NAME = "commctx.sqlite3"
 LOCK_NAME = "commctx.lock"
 
@@ -76,6 +83,13 @@ _SCHEMA = """
         secret TEXT NOT NULL DEFAULT '', workers INTEGER NOT NULL DEFAULT 1,
         PRIMARY KEY (job_id, member_id));
 """
+_EVENTS_TABLE = """
+    CREATE TABLE events (
+        job_id TEXT NOT NULL, seq INTEGER NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL,
+        generation INTEGER NOT NULL, message TEXT NOT NULL, fields TEXT NOT NULL,
+        PRIMARY KEY (job_id, seq))
+"""
+_SCHEMA += _EVENTS_TABLE
 
 _PUT_JOB = ("INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world, secret, since, retained_until) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
@@ -84,6 +98,7 @@ _PUT_MEMBER = (
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _DELETE_MEMBER = "DELETE FROM members WHERE job_id = ? AND member_id = ?"
+_PUT_EVENT = "INSERT OR REPLACE INTO events (job_id, seq, time, kind, generation, message, fields) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
 class SqliteStore(Store):
@@ -132,10 +147,12 @@ class SqliteStore(Store):
             raise StoreError(f"{self.path} has schema version {version}; this server reads up to {SCHEMA_VERSION}")
         db.execute("BEGIN IMMEDIATE")
         try:
-            if version in (2, 3):
+            if version in (2, 3, 4):
                 if version == 2:
                     _migrate_v2(db)
-                _migrate_v3(db)
+                if version <= 3:
+                    _migrate_v3(db)
+                _migrate_v4(db)
             elif "jobs" in tables:
                 _migrate_v1(db)
             else:
@@ -186,13 +203,17 @@ class SqliteStore(Store):
                 "FROM members ORDER BY seq")
             for job_id, *fields in rows:
                 members.setdefault(job_id, []).append(MemberRecord(*fields))
+            events: dict[str, list[JobEvent]] = {}
+            for job_id, *fields in db.execute(
+                    "SELECT job_id, seq, time, kind, generation, message, fields FROM events ORDER BY job_id, seq"):
+                events.setdefault(job_id, []).append(event_of(*fields))
             jobs = []
             for job_id, state, generation, reason, spec, world, seal, since, until in db.execute(
                     "SELECT job_id, state, generation, reason, spec, world, secret, since, retained_until FROM jobs ORDER BY job_id"):
                 jobs.append(JobRecord(
                     job_id, spec_from_json(spec), state, generation, reason,
                     seating_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())), seal,
-                    since, until,
+                    since, until, tuple(events.get(job_id, ())),
                 ))
             return jobs
 
@@ -275,7 +296,13 @@ def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
             db.executemany(_DELETE_MEMBER, run)
         elif kind is DeleteJob:
             db.executemany("DELETE FROM members WHERE job_id = ?", [(w.job_id,) for w in run])
+            db.executemany("DELETE FROM events WHERE job_id = ?", [(w.job_id,) for w in run])
             db.executemany("DELETE FROM jobs WHERE job_id = ?", [(w.job_id,) for w in run])
+        elif kind is PutEvent:
+            db.executemany(_PUT_EVENT, [(w.job_id, e.seq, e.time, e.kind, e.generation, e.message, event_fields_json(e))
+                                        for w in run for e in (w.event,)])
+        elif kind is TrimEvents:
+            db.executemany("DELETE FROM events WHERE job_id = ? AND seq < ?", run)
         start = i
 
 
@@ -302,11 +329,17 @@ def _migrate_v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN retained_until REAL NOT NULL DEFAULT 0")
 
 
+def _migrate_v4(db: sqlite3.Connection) -> None:
+    """Schema 4 -> 5, inside the caller's transaction: each job's history of
+    events (the jobs of schema 4 start with none)."""
+    db.execute(_EVENTS_TABLE)
+
+
 def _migrate_v1(db: sqlite3.Connection) -> None:
-    """Schema 1 -> 2, inside the caller's transaction.
+    """Schema 1 -> the current one, inside the caller's transaction.
 
     Version 1 stored each spec as the wire message's bytes and each world as
-    the planner's input (positional tuples); version 2 stores named fields
+    the planner's input (positional tuples); later versions store named fields
     and the seating itself. Only this migration reads the wire format, so the
     codec is imported here, not at module level.
     """

@@ -2,7 +2,8 @@
 write vocabulary, the fencing contract, and the in-memory stores.
 
 The state machine returns the writes each transition implies (`PutJob`,
-`PutMember`, `DeleteMember`, `DeleteJob`); the executor commits them through a
+`PutMember`, `DeleteMember`, `DeleteJob`, and `PutEvent`, `TrimEvents` for a
+job's history); the executor commits them through a
 `Store`, in order, before anyone hears of what they record. Leases are not
 stored: after a restart every member gets a fresh lease plus a grace period.
 A world is stored as its `Seating` (who sits where); planning is
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..planning import JobSpec, SeatedNode, Seating
+from .model import JobEvent
 
 
 class Fenced(Exception):
@@ -61,6 +63,7 @@ class JobRecord(NamedTuple):
     seal: str = ""  # SHA-256 digest (hex) of the job secret; "": an open job
     since: float = 0.0  # wall-clock time its current generation began forming (AGE); 0: unknown (schema 3)
     retained_until: float = 0.0  # a failed job whose workers all left: wall-clock time DescribeJob forgets it
+    events: tuple[JobEvent, ...] = ()  # filled by load(): its history, by seq
 
 
 class PutJob(NamedTuple):
@@ -78,12 +81,27 @@ class DeleteMember(NamedTuple):
 
 
 class DeleteJob(NamedTuple):
-    """Deletes the job and every member it still has."""
+    """Deletes the job, every member it still has and its events."""
 
     job_id: str
 
 
-Write = PutJob | PutMember | DeleteMember | DeleteJob
+class PutEvent(NamedTuple):
+    """Adds an event to the job's history, or replaces the one of the same seq
+    (a count of joins or refusals that grew)."""
+
+    job_id: str
+    event: JobEvent
+
+
+class TrimEvents(NamedTuple):
+    """Forgets the job's events of seq below `first_kept`."""
+
+    job_id: str
+    first_kept: int
+
+
+Write = PutJob | PutMember | DeleteMember | DeleteJob | PutEvent | TrimEvents
 
 
 class Store:
@@ -132,6 +150,7 @@ class MemoryStore(Store):
     def __init__(self) -> None:
         self._jobs: dict[str, JobRecord] = {}
         self._members: dict[str, dict[str, MemberRecord]] = {}
+        self._events: dict[str, dict[int, JobEvent]] = {}
         self._epoch = 0
 
     def take_over(self) -> int:
@@ -149,13 +168,21 @@ class MemoryStore(Store):
                 self._members.setdefault(w.record.job_id, {})
             elif isinstance(w, DeleteMember):
                 self._members.get(w.job_id, {}).pop(w.member_id, None)
+            elif isinstance(w, PutEvent):
+                self._events.setdefault(w.job_id, {})[w.event.seq] = w.event
+            elif isinstance(w, TrimEvents):
+                events = self._events.get(w.job_id, {})
+                for seq in [s for s in events if s < w.first_kept]:
+                    del events[seq]
             else:
                 self._jobs.pop(w.job_id, None)
                 self._members.pop(w.job_id, None)
+                self._events.pop(w.job_id, None)
 
     def load(self) -> list[JobRecord]:
         return [
-            job._replace(members=tuple(sorted(self._members.get(job_id, {}).values(), key=lambda m: m.seq)))
+            job._replace(members=tuple(sorted(self._members.get(job_id, {}).values(), key=lambda m: m.seq)),
+                         events=tuple(sorted(self._events.get(job_id, {}).values())))
             for job_id, job in sorted(self._jobs.items())
         ]
 
@@ -167,6 +194,16 @@ class MemoryStore(Store):
 def spec_json(spec: JobSpec) -> str:
     """A spec as stored: its JSON form (JobSpec.to_json), named fields."""
     return json.dumps(spec.to_json(), separators=(",", ":"))
+
+
+def event_fields_json(event: JobEvent) -> str:
+    """An event's fields as stored: a JSON object."""
+    return json.dumps(dict(event.fields), separators=(",", ":"))
+
+
+def event_of(seq: int, time: float, kind: str, generation: int, message: str, fields: str) -> JobEvent:
+    """An event as stored (its fields a JSON object)."""
+    return JobEvent(seq, time, kind, generation, message, json.loads(fields) if fields else {})
 
 
 def spec_from_json(text: str) -> JobSpec:

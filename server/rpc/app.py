@@ -219,6 +219,14 @@ class Router(pb_grpc.RendezvousServicer):
         servicer = self._servicer(context, "ListJobs")
         return None if servicer is None else await servicer.ListJobs(request, context)
 
+    async def ListEvents(self, request, context):
+        servicer = self._servicer(context, "ListEvents")
+        return None if servicer is None else await servicer.ListEvents(request, context)
+
+    async def WatchEvents(self, request, context):
+        servicer = self._servicer(context, "WatchEvents")
+        return None if servicer is None else await servicer.WatchEvents(request, context)
+
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
     """Requests to commctx.v1.Rendezvous whose bytes do not parse are answered
@@ -246,7 +254,7 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         if handler.request_streaming:
             return grpc.stream_stream_rpc_method_handler(
                 handler.stream_stream, request_deserializer=parse, response_serializer=handler.response_serializer)
-        inner = handler.unary_unary
+        inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
         async def checked(request, context: grpc.aio.ServicerContext):
             if isinstance(request, codec.Undecodable):
@@ -256,7 +264,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
                 return None
             return await inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=parse, response_serializer=handler.response_serializer)
+        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        return make(checked, request_deserializer=parse, response_serializer=handler.response_serializer)
 
 
 def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits: Limits = Limits()) -> grpc.aio.Server:

@@ -40,7 +40,19 @@ from ..errors import (
     WaitTimeout,
 )
 from ..planning import JobSpec, PlannedGroup, elide
-from ..rendezvous.model import Assignment, Gone, JobState, JobView, JoinParams, Limits, NewWorld, SessionEvent, WorldChange, worker_id
+from ..rendezvous.model import (
+    Assignment,
+    Gone,
+    JobEvent,
+    JobState,
+    JobView,
+    JoinParams,
+    Limits,
+    NewWorld,
+    SessionEvent,
+    WorldChange,
+    worker_id,
+)
 
 log = logging.getLogger("commctx.server")
 
@@ -259,6 +271,12 @@ def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | None
     raise TypeError(f"not a session event: {elide(event)}")
 
 
+def event_message(e: JobEvent) -> pb.JobEvent:
+    message = pb.JobEvent(seq=e.seq, time=e.time, kind=e.kind, generation=e.generation, message=e.message)
+    message.fields.update(e.fields)
+    return message
+
+
 def summary_message(v: JobView) -> pb.JobDescription:
     """A sealed job as ListJobs shows it to those without its secret: id and state."""
     return pb.JobDescription(job_id=v.job_id, state=_STATE[v.state])
@@ -286,6 +304,8 @@ def description_message(v: JobView) -> pb.JobDescription:
         waiting=v.waiting,
         not_ready=v.not_ready,
         num_nodes=v.num_nodes,
+        refused=v.refused,
+        last_refused=v.last_refused,
     )
 
 

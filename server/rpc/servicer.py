@@ -17,6 +17,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..errors import InvalidArgument, LimitExceeded, NotFound, SessionReplaced, Unavailable, WaitTimeout
 from ..rendezvous.executor import Executor, Waiters
+from ..rendezvous.history import JOB_GONE, TooSlow
 from ..rendezvous.machine import Actions, Rendezvous
 from ..planning import elide
 from ..rendezvous.model import Gone, Replaced, check_job_id, check_member_id
@@ -24,7 +25,7 @@ from . import codec
 from .auth import ADMIN, Callers
 
 T = TypeVar("T")
-PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs
+PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs, ListEvents
 NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000  # DescribeJob: nodes per reply
 MAX_REPLY_BYTES = 1 << 20  # ... and a reply's size: fewer nodes if theirs are long (keys, many roles)
 
@@ -70,6 +71,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             params = codec.join_params(request, spec, secret)
             joined, actions, placed = self._machine.join(params)
         except Exception as exc:
+            self._executor.submit(Actions())  # a refusal the job records (the machine's outbox)
             self._fail(context, "Join", exc)
             return None
         job_id, member_id = params.job_id, joined.member_id
@@ -128,6 +130,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         clients reconnect elsewhere). The members and their leases stay as they are."""
         for sink in self._sinks:
             sink.put_nowait(error)
+        self._executor.watchers.end_all(error)
+
+    def _secret(self, context: grpc.aio.ServicerContext, job_secret: str) -> str | None:
+        """The job secret a call opens sealed jobs with; None (not checked) for an admin token."""
+        if self._callers is not None and self._callers.role(context.invocation_metadata()) == ADMIN:
+            return None
+        return job_secret
 
     def _why_waiting(self, job_id: str) -> str:
         try:
@@ -254,6 +263,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         return pb.LeaveResponse()
 
     async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription | None:
+        secret = self._secret(context, request.job_secret)
+
         def describe() -> pb.JobDescription:
             size = request.node_page_size or NODE_PAGE_SIZE
             if size > MAX_NODE_PAGE_SIZE:
@@ -262,7 +273,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if token and not (token.isdigit() and token.isascii() and len(token) <= 9):
                 raise InvalidArgument(f"node_page_token {elide(token)} is not a token DescribeJob gave")
             first = int(token or 0)
-            view = self._machine.describe(check_job_id(request.job_id), request.job_secret, first, size)
+            view = self._machine.describe(check_job_id(request.job_id), secret, first, size)
             message = codec.description_message(view)
             if message.ByteSize() > MAX_REPLY_BYTES:
                 nodes = list(message.nodes)
@@ -296,3 +307,51 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 next_page_token=page[-1] if start + size < len(ids) else "")
 
         return await self._call(context, "ListJobs", jobs)
+
+    async def ListEvents(self, request: pb.ListEventsRequest, context: grpc.aio.ServicerContext) -> pb.ListEventsResponse | None:
+        secret = self._secret(context, request.job_secret)
+
+        def page() -> pb.ListEventsResponse:
+            size = request.page_size or PAGE_SIZE
+            if size > MAX_PAGE_SIZE:
+                raise InvalidArgument(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
+            token = request.page_token
+            if token and not (token.isdigit() and token.isascii() and len(token) <= 19):
+                raise InvalidArgument(f"page_token {elide(token)} is not a token ListEvents gave")
+            events = self._machine.events(check_job_id(request.job_id), int(token or 0), size + 1, secret)
+            shown = events[:size]
+            return pb.ListEventsResponse(events=[codec.event_message(e) for e in shown],
+                                         next_page_token=str(shown[-1].seq) if len(events) > size else "")
+
+        return await self._call(context, "ListEvents", page)
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> None:
+        watchers = self._executor.watchers
+        try:
+            if len(watchers) >= self._machine.limits.max_streams:
+                raise LimitExceeded(f"this server holds its maximum of {self._machine.limits.max_streams} event watches "
+                                    f"(--max-streams); retry later")
+            job_id = check_job_id(request.job_id)
+            snapshot = self._machine.events(job_id, request.after_seq, None, self._secret(context, request.job_secret))
+        except Exception as exc:
+            self._fail(context, "WatchEvents", exc)
+            return
+        watch = watchers.open(job_id, snapshot)  # no await since the snapshot: nothing falls in between
+        sent = request.after_seq
+        try:
+            while True:
+                item = await watch.queue.get()
+                if item is JOB_GONE:
+                    return
+                if isinstance(item, TooSlow):
+                    self._fail(context, "WatchEvents", LimitExceeded(
+                        f"this watch of job {job_id!r} fell {watchers.QUEUE} events behind its reader and was cut off; "
+                        f"watch again with after_seq {sent}"))
+                    return
+                if isinstance(item, Exception):  # the server stops serving
+                    self._fail(context, "WatchEvents", item)
+                    return
+                await context.write(codec.event_message(item))
+                sent = item.seq
+        finally:
+            watchers.close(watch)

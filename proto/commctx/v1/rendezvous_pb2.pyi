@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -336,7 +337,7 @@ class DescribeJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., node_page_size: _Optional[int] = ..., node_page_token: _Optional[str] = ...) -> None: ...
 
 class JobDescription(_message.Message):
-    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready", "num_nodes", "next_node_page_token")
+    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready", "num_nodes", "next_node_page_token", "refused", "last_refused")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[JobDescription.State]
@@ -363,6 +364,8 @@ class JobDescription(_message.Message):
     NOT_READY_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     NEXT_NODE_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFUSED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobDescription.State
     generation: int
@@ -377,7 +380,55 @@ class JobDescription(_message.Message):
     not_ready: int
     num_nodes: int
     next_node_page_token: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ..., num_nodes: _Optional[int] = ..., next_node_page_token: _Optional[str] = ...) -> None: ...
+    refused: int
+    last_refused: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ..., num_nodes: _Optional[int] = ..., next_node_page_token: _Optional[str] = ..., refused: _Optional[int] = ..., last_refused: _Optional[str] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("seq", "time", "kind", "generation", "message", "fields")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time: float
+    kind: str
+    generation: int
+    message: str
+    fields: _struct_pb2.Struct
+    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., generation: _Optional[int] = ..., message: _Optional[str] = ..., fields: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class ListEventsRequest(_message.Message):
+    __slots__ = ("job_id", "job_secret", "page_size", "page_token")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_secret: str
+    page_size: int
+    page_token: str
+    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListEventsResponse(_message.Message):
+    __slots__ = ("events", "next_page_token")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    next_page_token: str
+    def __init__(self, events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("job_id", "job_secret", "after_seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_secret: str
+    after_seq: int
+    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("page_size", "page_token")

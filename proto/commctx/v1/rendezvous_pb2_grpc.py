@@ -64,6 +64,16 @@ class RendezvousStub:
                 request_serializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
+        self.ListEvents = channel.unary_unary(
+                '/commctx.v1.Rendezvous/ListEvents',
+                request_serializer=commctx_dot_v1_dot_rendezvous__pb2.ListEventsRequest.SerializeToString,
+                response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.ListEventsResponse.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/commctx.v1.Rendezvous/WatchEvents',
+                request_serializer=commctx_dot_v1_dot_rendezvous__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=commctx_dot_v1_dot_rendezvous__pb2.JobEvent.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -129,6 +139,26 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEvents(self, request, context):
+        """A job's history (its last --max-events-per-job events, kept in the
+        server's store), oldest first, a page at a time. Access as DescribeJob:
+        a sealed job needs its job_secret (or an admin token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """A job's history as it happens: the kept events after `after_seq`, then
+        each new one. An event whose count grew (joins or refusals counted into
+        it) comes again with the same seq. The stream ends (OK) when the job is
+        gone from the server; a reader that falls too far behind is cut off
+        (RESOURCE_EXHAUSTED, naming the seq to watch again from).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +191,16 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsRequest.FromString,
                     response_serializer=commctx_dot_v1_dot_rendezvous__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'ListEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvents,
+                    request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.ListEventsRequest.FromString,
+                    response_serializer=commctx_dot_v1_dot_rendezvous__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=commctx_dot_v1_dot_rendezvous__pb2.WatchEventsRequest.FromString,
+                    response_serializer=commctx_dot_v1_dot_rendezvous__pb2.JobEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -325,6 +365,60 @@ class Rendezvous:
             '/commctx.v1.Rendezvous/ListJobs',
             commctx_dot_v1_dot_rendezvous__pb2.ListJobsRequest.SerializeToString,
             commctx_dot_v1_dot_rendezvous__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/commctx.v1.Rendezvous/ListEvents',
+            commctx_dot_v1_dot_rendezvous__pb2.ListEventsRequest.SerializeToString,
+            commctx_dot_v1_dot_rendezvous__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/commctx.v1.Rendezvous/WatchEvents',
+            commctx_dot_v1_dot_rendezvous__pb2.WatchEventsRequest.SerializeToString,
+            commctx_dot_v1_dot_rendezvous__pb2.JobEvent.FromString,
             options,
             channel_credentials,
             insecure,
