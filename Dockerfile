@@ -17,7 +17,7 @@ RUN pip install --no-cache-dir /src \
 USER 10001
 ENV COMMCTX_HOST=0.0.0.0 COMMCTX_PORT=50051 COMMCTX_STATE_DIR=/var/lib/commctx
 VOLUME ["/var/lib/commctx"]
-EXPOSE 50051 9464
+EXPOSE 50051 50052 50080
 HEALTHCHECK --interval=5s --timeout=3s --start-period=5s --retries=3 CMD ["commctx", "health"]
 CMD ["commctx-server"]
 

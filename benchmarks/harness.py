@@ -60,8 +60,9 @@ def start(argv: Sequence[str], *, cpu: int | None = None, metrics: bool = False)
         if "listening on" not in line:
             raise RuntimeError(f"server did not start: {line!r}")
         running = Running(proc, int(line.rsplit(":", 1)[1]))
-        if metrics:
-            running.metrics_url = proc.stdout.readline().rsplit(" ", 1)[1].strip()
+        if metrics:  # commctx: "... http on http://host:port/ (...)"; the relay: "... metrics on http://host:port/metrics"
+            url = proc.stdout.readline().split(" on ", 1)[1].split()[0]
+            running.metrics_url = url + "metrics" if url.endswith("/") else url
         yield running
     finally:
         proc.terminate()
@@ -87,8 +88,9 @@ def start_loads(target: Callable, n: int, procs: int, *args) -> tuple[list[Conne
 
 
 def commctx_server(*args: str, cpu: int | None = None, metrics: bool = False) -> contextlib.AbstractContextManager[Running]:
-    """`python -m commctx.server` on a free port (unpinned unless `cpu`)."""
-    extra = ["--metrics-port", "0"] if metrics else []
+    """`python -m commctx.server` on a free port (unpinned unless `cpu`); with
+    `metrics`, its HTTP server (/metrics) on a free port too, else none."""
+    extra = ["--http-port", "0" if metrics else "off"]
     return start([sys.executable, "-m", "commctx.server", "--host", "127.0.0.1", "--port", "0", *extra, *args], cpu=cpu, metrics=metrics)
 
 

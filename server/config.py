@@ -83,7 +83,8 @@ SETTINGS = (
     Setting("host", str, "0.0.0.0", "address to listen on"),
     Setting("port", _port, "50051", "rendezvous (and health) gRPC port; 0 picks a free one"),
     Setting("health_port", _optional_port, "off", "an extra plaintext port serving only grpc.health.v1, e.g. for Kubernetes' gRPC probes; 0 picks a free one"),
-    Setting("metrics_port", _optional_port, "off", "HTTP port for Prometheus metrics at /metrics; 0 picks a free one"),
+    Setting("http_port", _optional_port, "50080", "HTTP port of the dashboard (/), the JSON API (/api/v1) and Prometheus metrics (/metrics); 0 picks a free one; off: none"),
+    Setting("metrics_port", _optional_port, "off", "the old name of --http-port (when given, the HTTP server listens there)"),
     Setting("lease_ttl_s", _positive, "10", "member lease in seconds; clients renew at a third of it"),
     Setting("reconnect_grace_s", _non_negative, "1", "a member whose session ends without a Leave (its process was killed, its connection broke) keeps its seat this long for a new session, then is removed and its world re-forms; at most --lease-ttl-s. A hung process keeps its connection and is found by its lease"),
     Setting("store", _choice("sqlite", "memory", "etcd"), "sqlite", "where state lives: a SQLite database under --state-dir (survives restarts), memory only, or etcd (several replicas, one leader: high availability)"),
@@ -122,6 +123,7 @@ class Config:
     host: str = "0.0.0.0"
     port: int = 50051
     health_port: int | None = None
+    http_port: int | None = 50080
     metrics_port: int | None = None
     lease_ttl_s: float = 10.0
     reconnect_grace_s: float = 1.0
@@ -195,8 +197,14 @@ def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = 
         p.error("--etcd-user needs its password (COMMCTX_ETCD_PASSWORD), and the password its user")
     if values["tls_client_ca"] and not values["tls_cert"]:
         p.error("--tls-client-ca requires client certificates over TLS: give --tls-cert and --tls-key too")
+    if values["metrics_port"] is not None:  # the old name: it is the HTTP port, unless the --http-port flag is given too
+        if args.http_port is not None and values["http_port"] != values["metrics_port"]:
+            p.error(f"--metrics-port is the old name of --http-port: give one of them (they say "
+                    f"{values['metrics_port']} and {values['http_port']})")
+        values["http_port"] = values["metrics_port"]
+    values["metrics_port"] = None
     ports = [(flag, values[name]) for flag, name in (("--port", "port"), ("--health-port", "health_port"),
-                                                     ("--metrics-port", "metrics_port")) if values[name]]
+                                                     ("--http-port", "http_port")) if values[name]]
     for i, (flag, port) in enumerate(ports):  # 0 (any free port) and off never clash
         for other, same in ports[:i]:
             if same == port:

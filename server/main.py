@@ -111,7 +111,7 @@ def port_in_use(host: str, port: int, what: str = "port", flag: str = "--port") 
 def ports_in_use(config: Config) -> str:
     """The first of the configured ports that cannot be listened on (see port_in_use), or ""."""
     wanted = [(config.port, "port", "--port"), (config.health_port, "health port", "--health-port"),
-              (config.metrics_port, "metrics port", "--metrics-port")]
+              (config.http_port, "HTTP port", "--http-port")]
     for port, what, flag in wanted:
         if port is not None:
             problem = port_in_use(config.host, port, what, flag)
@@ -147,7 +147,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         store = SqliteStore(os.path.expanduser(config.state_dir)) if config.store == "sqlite" else None
     server = await start_server(
         config.host, config.port, lease_ttl_s=config.lease_ttl_s, reconnect_grace_s=config.reconnect_grace_s,
-        health_port=config.health_port, metrics_port=config.metrics_port, store=store, pace_gc=True, tls=tls,
+        health_port=config.health_port, http_port=config.http_port, store=store, pace_gc=True, tls=tls,
         callers=callers,
         limits=Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)}),  # same names as the settings
         replica=replica,
@@ -155,8 +155,9 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
     print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
     if server.health_port is not None:
         print(f"commctx-server health on {host_port(config.host, server.health_port)}", flush=True)
-    if server.metrics_port is not None:
-        print(f"commctx-server metrics on http://{host_port(config.host, server.metrics_port)}/metrics", flush=True)
+    if server.http_port is not None:
+        print(f"commctx-server http on http://{host_port(config.host, server.http_port)}/ "
+              f"(the dashboard; /metrics; /api/v1/jobs)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

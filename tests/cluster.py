@@ -86,11 +86,11 @@ class Proc:
 
 
 class Server(Proc):
-    """`commctx-server` on a free port; with health/metrics, on free ports too."""
+    """`commctx-server` on a free port; with health/HTTP (metrics, the dashboard), on free ports too."""
 
     def __init__(self, host: str, *args: str, health: bool = False, metrics: bool = False,
                  env: dict[str, str] | None = None, argv: Sequence[str] | None = None) -> None:
-        extra = (["--health-port", "0"] if health else []) + (["--metrics-port", "0"] if metrics else [])
+        extra = (["--health-port", "0"] if health else []) + (["--http-port", "0"] if metrics else [])
         if not any(a.startswith("--store") or a.startswith("--state-dir") for a in args):
             extra.append("--store=memory")  # tests that want durable state pass --state-dir
         argv = argv or [sys.executable, "-m", "commctx.server", "--host", host, "--port", "0", *extra, *args]
@@ -101,7 +101,8 @@ class Server(Proc):
         self.port = int(first.rsplit(":", 1)[1])
         self.address = f"{host}:{self.port}"
         self.health_address = self.line(10).rsplit(" ", 1)[1].strip() if health else None
-        self.metrics_url = self.line(10).rsplit(" ", 1)[1].strip() if metrics else None
+        self.http_url = self.line(10).split(" on ", 1)[1].split()[0] if metrics else None  # http://host:port/
+        self.metrics_url = self.http_url + "metrics" if metrics else None
 
 
 def worker(server: str, job: str, world_size: int, *, node_key: str | None = None, netns: str | None = None,

@@ -19,6 +19,9 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 # hadolint, check-jsonschema) live beside the interpreter running it, e.g.
 # .venv/bin, which is not on PATH when pytest is started as .venv/bin/python.
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# Servers the tests start serve no HTTP unless a test asks for it (--http-port 0): the
+# default port, 50080, would be shared by every server a test runs at once.
+os.environ["COMMCTX_HTTP_PORT"] = "off"
 
 
 @pytest.fixture

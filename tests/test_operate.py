@@ -326,8 +326,11 @@ def test_configuration_errors_and_help():
 def test_flags_beat_environment():
     from commctx.server.config import from_env
 
-    c = from_env(["--port", "7"], {"COMMCTX_PORT": "8", "COMMCTX_METRICS_PORT": "9464", "COMMCTX_HEALTH_PORT": "off"})
-    assert (c.port, c.metrics_port, c.health_port) == (7, 9464, None)
+    c = from_env(["--port", "7"], {"COMMCTX_PORT": "8", "COMMCTX_HTTP_PORT": "9464", "COMMCTX_HEALTH_PORT": "off"})
+    assert (c.port, c.http_port, c.health_port) == (7, 9464, None)
+    assert from_env([], {}).http_port == 50080  # the dashboard is on by default
+    assert from_env(["--metrics-port", "9100"], {}).http_port == 9100  # the old name of --http-port
+    assert from_env([], {"COMMCTX_HTTP_PORT": "off"}).http_port is None
     limits = from_env(["--max-jobs", "5"], {"COMMCTX_MAX_MEMBERS": "7", "COMMCTX_MAX_JOIN_WAIT_S": "1.5"})
     assert (limits.max_jobs, limits.max_members, limits.max_join_wait_s, limits.max_spec_bytes, limits.max_spec_rules) == (5, 7, 1.5, 65536, 1024)
     with pytest.raises(SystemExit):
@@ -393,7 +396,7 @@ def test_compose_file_passes_compose_v2_validation():
     r = config["services"]["rendezvous"]
     assert r["build"]["target"] == "server" and r["restart"] == "unless-stopped"
     assert r["healthcheck"]["test"][:2] == ["CMD", "commctx"]
-    assert {p["target"] for p in r["ports"]} == {50051, 9464}
+    assert {p["target"] for p in r["ports"]} == {50051, 50080}
     for w in ("worker-a", "worker-b"):
         assert config["services"][w]["depends_on"]["rendezvous"]["condition"] == "service_healthy"
     ha = compose_config("ha")["services"]

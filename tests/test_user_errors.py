@@ -138,7 +138,7 @@ def start_server_on_busy_port(*flags: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("flag,what", [("--port", "port"), ("--health-port", "health port"),
-                                       ("--metrics-port", "metrics port")])
+                                       ("--http-port", "HTTP port")])
 def test_a_port_in_use_stops_the_server_with_one_line(flag, what):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

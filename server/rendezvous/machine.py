@@ -87,9 +87,11 @@ from .model import (
     SessionEvent,
     Stats,
     WaitOutcome,
+    WorkerView,
     WorldChange,
     job_secret_matches,
     secret_matches,
+    worker_id,
 )
 from .store import DeleteJob, DeleteMember, JobRecord, MemberRecord, PutEvent, PutJob, PutMember, TrimEvents, Write
 
@@ -314,6 +316,12 @@ class Rendezvous:
                 actions.writes.append(TrimEvents(job.job_id, events[0].seq))
         actions.writes.append(PutEvent(job.job_id, event))
         actions.events.append((job.job_id, event))
+
+    def last_event(self, job_id: str) -> JobEvent | None:
+        """The job's latest event (None: none, or an unknown job)."""
+        job = self._jobs.get(job_id)
+        history = job.events if job is not None else self._failed.get(job_id, (None, None, ()))[2]
+        return history[-1] if history else None
 
     def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None) -> list[JobEvent]:
         """The job's kept events of seq above `after` (at most `limit`), of a
@@ -1064,6 +1072,39 @@ class Rendezvous:
             refused=job.refused.count,
             last_refused=job.refused.last,
         )
+
+    def workers(self, job_id: str, node_keys: Iterable[str]) -> dict[str, list[WorkerView]]:
+        """The workers on the given nodes of a held job (a failed one kept has
+        none), by local rank: linear in the job's members.
+
+        Raises:
+            NotFound: an unknown job.
+        """
+        job = self._jobs.get(job_id)
+        if job is None:
+            if job_id in self._failed:
+                return {k: [] for k in node_keys}
+            raise NotFound(f"no job {elide(job_id)} on this server")
+        out: dict[str, list[WorkerView]] = {k: [] for k in node_keys}
+        now, plan = self._clock(), job.plan
+        for mid, m in job.members.items():
+            seats = out.get(m.node_key)
+            if seats is None:
+                continue
+            age = now - (m.lease_deadline - self.lease_ttl_s) if m.lease is Lease.RENEWING else None
+            for i in range(m.workers):
+                wid = worker_id(mid, i)
+                p = plan.placement(wid) if plan is not None else None
+                local = p.local_rank if p is not None else (i if m.workers > 1 else m.local_rank)
+                seats.append(WorkerView(wid, local, p.rank if p is not None else None, m.role, m.lease.value, age))
+        for seats in out.values():
+            seats.sort(key=lambda w: (w.local_rank is None, w.local_rank or 0))
+        return out
+
+    def plan_of(self, job_id: str) -> WorldPlan | None:
+        """The job's current world (while re-forming: the one being replaced), if any."""
+        job = self._jobs.get(job_id)
+        return job.plan if job is not None else None
 
     def job_ids(self) -> list[str]:
         """Jobs held, and failed jobs still described, sorted."""

@@ -448,6 +448,18 @@ class NodeView:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker of a node, as the dashboard shows it."""
+
+    worker_id: str  # its member id (a node membership's further workers: "<member id>/<local rank>")
+    local_rank: int | None  # None: not seated and not chosen by its launcher
+    rank: int | None  # its global rank in the current world (while re-forming: the one being replaced), if seated
+    role: str
+    lease: str  # a Lease value
+    renewed_s_ago: float | None  # since its lease was last renewed (RENEWING only)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class JobView:
     """What DescribeJob reports."""
 

@@ -1,6 +1,7 @@
 """Wiring: the grpc.aio server with the rendezvous, health and reflection
-services, an optional health-only port, the metrics endpoint, the state
-machine with its store and executor, and an orderly stop."""
+services, an optional health-only port, the HTTP server (dashboard, JSON API,
+metrics: server/web), the state machine with its store and executor, and an
+orderly stop."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class RendezvousServer:
                  store: Store | None = None, ha: bool = False) -> None:
         self.port = 0
         self.health_port: int | None = None
-        self.metrics_port: int | None = None
+        self.http_port: int | None = None  # the dashboard, JSON API and /metrics
         self.telemetry: Telemetry
         self.term: Term | None = None  # None: not leading (an HA replica following, or between terms)
         self.leader = ""  # the leader's address, as a replica that does not lead knows it
@@ -68,7 +69,7 @@ class RendezvousServer:
         self._servers: list[grpc.aio.Server] = []
         self._health = health.aio.HealthServicer()
         self._tasks: list[asyncio.Task] = []
-        self._metrics: tuple | None = None
+        self._web = None  # the HTTP server (server/web), when on
         self._store: Store = store if store is not None else NullStore()
         self._stopped = False
         self._lease_ttl_s = lease_ttl_s
@@ -149,11 +150,8 @@ class RendezvousServer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._metrics is not None:
-            httpd, thread = self._metrics
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(5)
+        if self._web is not None:
+            await self._web.stop()
         await asyncio.to_thread(self._store.close)
         self.telemetry.close()
 
@@ -324,7 +322,7 @@ async def start_server(
     lease_ttl_s: float = 10.0,
     reconnect_grace_s: float = 1.0,
     health_port: int | None = None,
-    metrics_port: int | None = None,
+    http_port: int | None = None,
     store: Store | None = None,
     clock: Callable[[], float] = time.monotonic,
     pace_gc: bool = False,
@@ -344,8 +342,9 @@ async def start_server(
             every lease with one more TTL of grace.
         health_port: also serve grpc.health.v1 alone on this port (0: any free
             port; None: not at all).
-        metrics_port: serve Prometheus metrics over HTTP on this port (0: any
-            free port; None: not at all).
+        http_port: serve HTTP on this port (0: any free port; None: not at
+            all): the dashboard, the JSON API of jobs and events, and
+            Prometheus metrics at /metrics (server/web).
         pace_gc: collect garbage on a timer instead of on allocation counts
             (gc_pacer.py); changes the whole process, so for a dedicated server.
         tls: serve the main port over TLS only (mutual TLS with a client CA);
@@ -406,10 +405,15 @@ async def start_server(
         await out._health.set("", SERVING)
         await out._health.set(SERVICE_NAME, NOT_SERVING)
         out._tasks.append(asyncio.create_task(replica(out), name="commctx-replica"))
-    if metrics_port is not None:
-        httpd, thread = prometheus_client.start_http_server(metrics_port, addr=host, registry=registry)
-        out._metrics = (httpd, thread)
-        out.metrics_port = httpd.server_port
+    if http_port is not None:
+        from ..web import WebServer  # only a server with HTTP loads aiohttp
+
+        out._web = WebServer(out, registry, callers)
+        try:
+            out.http_port = await out._web.start(host, http_port)
+        except BaseException:
+            await out.stop(0)
+            raise
     out._tasks.append(asyncio.create_task(out.telemetry.loop_lag.run(), name="commctx-loop-lag"))
     if pace_gc:
         out._tasks.append(asyncio.create_task(GcPacer(out.telemetry.loop_lag).run(), name="commctx-gc-pacer"))

@@ -1,0 +1,315 @@
+"""The HTTP edge: one aiohttp server on the rendezvous server's event loop
+(no thread per connection) serving Prometheus `/metrics`, a JSON API of the
+jobs and their events, and a live dashboard whose assets ship in the package
+(`assets/`: no CDN, clusters are often offline).
+
+    GET /                                      the dashboard: every job, paged
+    GET /jobs/<job_id>                         a job: its nodes x local ranks, groups, who is missing, its events
+    GET /static/<asset>                        the pages' script and style
+    GET /metrics                               Prometheus metrics (open, as the gRPC health service is)
+    GET /api/v1/server                         whether the API needs a token (no job data)
+    GET /api/v1/jobs?page_size=&page_token=    {"jobs": [...], "next_page_token": ...}
+    GET /api/v1/jobs/<job_id>?node_page_size=&node_page_token=
+    GET /api/v1/jobs/<job_id>/events?after=&page_size=
+    GET /api/v1/jobs/<job_id>/events/stream?after=   server-sent events, live (Last-Event-ID resumes)
+
+Access: with --auth-tokens every /api path needs an admin token
+(`Authorization: Bearer <token>`; the pages keep one typed into them for the
+tab and send it so); without, 401. A sealed job shows only its id and state,
+and its page nothing, to anyone without an admin token (so, without
+--auth-tokens, to everyone). The pages and /metrics hold no job data beyond
+the counts in metrics, and need no token.
+
+Connections: at most MAX_CONNECTIONS at once (more are closed as they come),
+and one that has sent nothing for IDLE_S is closed; an event stream that falls
+Watchers.QUEUE events behind its reader is ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import importlib.resources
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import prometheus_client
+from aiohttp import web
+
+from ..errors import NotFound, PermissionDenied, RendezvousError
+from ..planning import expand
+from ..rendezvous.history import JOB_GONE, TooSlow
+from ..rendezvous.model import JobEvent, JobView, check_job_id
+from ..rpc.auth import ADMIN, Callers
+
+if TYPE_CHECKING:
+    from ..rendezvous.machine import Rendezvous
+    from ..rpc.app import RendezvousServer
+
+PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # jobs, events
+NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000
+GROUP_EXAMPLES = 8  # groups listed per mode (the rest counted)
+ASSETS = {"app.js": "application/javascript", "style.css": "text/css"}
+
+
+class WebServer:
+    """The HTTP server of a RendezvousServer. `start()`, then `stop()` (idempotent)."""
+
+    MAX_CONNECTIONS = 1000
+    IDLE_S = 30.0
+    HEARTBEAT_S = 15.0  # an event stream's keep-alive comment, well inside IDLE_S and proxies' timeouts
+
+    def __init__(self, server: RendezvousServer, registry: prometheus_client.CollectorRegistry, callers: Callers | None) -> None:
+        self._server = server
+        self._registry = registry
+        self._callers = callers
+        self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._streams: set[asyncio.Task] = set()
+        assets = importlib.resources.files(__package__) / "assets"
+        self._pages = {name: (assets / name).read_bytes() for name in ("index.html", "job.html", *ASSETS)}
+        self.port = 0
+
+    # -- serving -----------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on host:port (0: a free port) and returns the port.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        app = web.Application(middlewares=[self._headers])
+        app.router.add_get("/", self._page("index.html"))
+        app.router.add_get("/jobs/{job_id}", self._page("job.html"))
+        app.router.add_get("/static/{name}", self._asset)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/api/v1/server", self._about)
+        app.router.add_get("/api/v1/jobs", self._jobs)
+        app.router.add_get("/api/v1/jobs/{job_id}", self._job)
+        app.router.add_get("/api/v1/jobs/{job_id}/events", self._events)
+        app.router.add_get("/api/v1/jobs/{job_id}/events/stream", self._stream)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.IDLE_S, handle_signals=False)
+        await self._runner.setup()
+        http = self._runner.server
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> asyncio.BaseProtocol:  # aiohttp closes a connection idle for IDLE_S, from its start
+            return _Refused() if len(http.connections) >= self.MAX_CONNECTIONS else http()
+
+        self._listener = await loop.create_server(protocol, host or None, port, reuse_address=True)
+        self.port = self._listener.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        for task in self._streams:
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _headers(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            response = exc
+        # Nothing served here runs or loads anything but the package's own script and style.
+        response.headers.setdefault("Content-Security-Policy",
+                                    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                                    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Referrer-Policy", "no-referrer")
+        response.headers.setdefault("Cache-Control", "no-store")
+        if isinstance(response, web.HTTPException):
+            raise response
+        return response
+
+    def _page(self, name: str):
+        async def serve(request: web.Request) -> web.Response:
+            return web.Response(body=self._pages[name], content_type="text/html", charset="utf-8")
+
+        return serve
+
+    async def _asset(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in ASSETS:
+            raise _error(web.HTTPNotFound, f"no asset {name[:64]!r}")
+        return web.Response(body=self._pages[name], content_type=ASSETS[name], charset="utf-8")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=prometheus_client.generate_latest(self._registry),
+                            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+    async def _about(self, request: web.Request) -> web.Response:
+        return _json({"auth": self._callers is not None, "leading": self._server.term is not None,
+                      "leader": self._server.leader or None})
+
+    # -- the API -------------------------------------------------------------------------
+
+    def _admin(self, request: web.Request) -> bool:
+        """Whether the caller holds an admin token; with --auth-tokens, 401 unless it does."""
+        if self._callers is None:
+            return False
+        if self._callers.role([("authorization", request.headers.get("Authorization", ""))]) == ADMIN:
+            return True
+        raise _error(web.HTTPUnauthorized, "this server requires an admin token: send 'Authorization: Bearer <token>' "
+                                           "with a token its --auth-tokens file marks admin")
+
+    def _machine(self) -> Rendezvous:
+        term = self._server.term
+        if term is None:
+            leader = self._server.not_leader()
+            raise _error(web.HTTPServiceUnavailable, str(leader), leader=leader.leader or None)
+        return term.machine
+
+    async def _jobs(self, request: web.Request) -> web.Response:
+        admin = self._admin(request)
+        machine = self._machine()
+        size = min(_number(request, "page_size", PAGE_SIZE, 1), MAX_PAGE_SIZE)  # a huge page is capped
+        token = request.query.get("page_token", "")
+        ids = machine.job_ids()
+        start = bisect.bisect_right(ids, token) if token else 0
+        page = ids[start:start + size]
+        jobs = []
+        for job_id in page:
+            view = machine.describe(job_id, max_nodes=0)
+            if view.seal and not admin:
+                jobs.append({"job_id": job_id, "state": view.state.value, "sealed": True})
+                continue
+            last = machine.last_event(job_id)
+            jobs.append({**_summary(view), "last_event": _event(last) if last is not None else None})
+        return _json({"jobs": jobs, "next_page_token": page[-1] if start + size < len(ids) else ""})
+
+    def _view(self, request: web.Request, first: int = 0, count: int | None = 0) -> tuple[Rendezvous, JobView]:
+        admin = self._admin(request)
+        machine = self._machine()
+        job_id = request.match_info["job_id"]
+        try:
+            check_job_id(job_id)
+            view = machine.describe(job_id, None if admin else "", first, count)
+        except NotFound:
+            raise _error(web.HTTPNotFound, f"no job {job_id[:128]!r} on this server") from None
+        except PermissionDenied:
+            raise _error(web.HTTPForbidden, f"job {job_id!r} is sealed: only an admin token shows it") from None
+        except RendezvousError as exc:
+            raise _error(web.HTTPBadRequest, str(exc)) from None
+        return machine, view
+
+    async def _job(self, request: web.Request) -> web.Response:
+        first = _number(request, "node_page_token", 0, 0)
+        size = min(_number(request, "node_page_size", NODE_PAGE_SIZE, 1), MAX_NODE_PAGE_SIZE)
+        machine, view = self._view(request, first, size)
+        workers = machine.workers(view.job_id, [n.node_key for n in view.nodes])
+        plan = machine.plan_of(view.job_id)
+        out = _summary(view)
+        out.update(
+            spec=view.spec.to_json(),
+            waiting=view.waiting,
+            not_ready=view.not_ready,
+            missing_nodes=list(view.missing_nodes),
+            refused=view.refused,
+            last_refused=view.last_refused,
+            lease_ttl_s=machine.lease_ttl_s,
+            nodes=[{"node_key": n.node_key, "node_rank": n.node_rank, "address": n.address, "workers": [
+                {"worker_id": w.worker_id, "local_rank": w.local_rank, "rank": w.rank, "role": w.role, "lease": w.lease,
+                 "renewed_s_ago": None if w.renewed_s_ago is None else round(w.renewed_s_ago, 2)}
+                for w in workers[n.node_key]]} for n in view.nodes],
+            next_node_page_token=str(first + len(view.nodes)) if first + len(view.nodes) < view.num_nodes else "",
+            groups=[{"mode": mode, "count": len(groups), "sizes": sorted({g.size for g in groups}),
+                     "cpu_twin": any(g.cpu_twin for g in groups),
+                     "groups": [{"index": g.index, "ranks": expand(g.ranks)[:64], "size": g.size, "root": g.root}
+                                for g in groups[:GROUP_EXAMPLES]]}
+                    for mode, groups in (plan.all_groups().items() if plan is not None else ())],
+            events=[_event(e) for e in machine.events(view.job_id)[-50:]],
+        )
+        return _json(out)
+
+    async def _events(self, request: web.Request) -> web.Response:
+        machine, view = self._view(request)
+        size = min(_number(request, "page_size", PAGE_SIZE, 1), MAX_PAGE_SIZE)
+        events = machine.events(view.job_id, _number(request, "after", 0, 0), size + 1)
+        shown = events[:size]
+        return _json({"events": [_event(e) for e in shown],
+                      "next_page_token": str(shown[-1].seq) if len(events) > size else ""})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: the kept events after `after` (or Last-Event-ID),
+        then each new one; `event: end` when the job is gone; `event: error`
+        when the reader fell too far behind (reconnecting resumes from the last id)."""
+        machine, view = self._view(request)
+        after = _number(request, "after", 0, 0)
+        last_id = request.headers.get("Last-Event-ID", "")
+        if last_id.isdigit() and len(last_id) < 20:
+            after = max(after, int(last_id))
+        watchers = self._server.executor.watchers
+        watch = watchers.open(view.job_id, machine.events(view.job_id, after))  # no await in between
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                                               "X-Accel-Buffering": "no"})
+        task = asyncio.current_task()
+        self._streams.add(task)
+        try:
+            await response.prepare(request)
+            while True:
+                try:
+                    item = await asyncio.wait_for(watch.queue.get(), self.HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    await response.write(b": keep-alive\n\n")
+                    continue
+                if item is JOB_GONE:
+                    await response.write(b"event: end\ndata: {}\n\n")
+                    break
+                if isinstance(item, (TooSlow, Exception)):
+                    why = "this stream fell too far behind its reader" if isinstance(item, TooSlow) else str(item)
+                    await response.write(b"event: error\ndata: " + json.dumps({"error": why}).encode() + b"\n\n")
+                    break
+                await response.write(f"id: {item.seq}\nevent: job-event\ndata: {json.dumps(_event(item))}\n\n".encode())
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            watchers.close(watch)
+            self._streams.discard(task)
+        return response
+
+
+class _Refused(asyncio.Protocol):
+    """A connection beyond MAX_CONNECTIONS: closed as it comes."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, separators=(",", ":"), allow_nan=False), status=status,
+                        content_type="application/json")
+
+
+def _error(kind: type[web.HTTPException], message: str, **extra: Any) -> web.HTTPException:
+    return kind(text=json.dumps({"error": message, **extra}), content_type="application/json")
+
+
+def _number(request: web.Request, name: str, default: int, minimum: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    if not (raw.isdigit() and raw.isascii() and len(raw) <= 18) or int(raw) < minimum:
+        raise _error(web.HTTPBadRequest, f"{name} {raw[:32]!r} is not a whole number of at least {minimum}")
+    return int(raw)
+
+
+def _summary(v: JobView) -> dict[str, Any]:
+    return {
+        "job_id": v.job_id, "state": v.state.value, "sealed": bool(v.seal), "generation": v.generation,
+        "joined": v.joined, "world_size": v.spec.world_size, "min_size": v.spec.min_size, "missing": v.missing,
+        "num_nodes": v.num_nodes, "age_s": round(v.forming_for_s, 1) if math.isfinite(v.forming_for_s) else None,
+        "reason": v.reason, "refused": v.refused,
+    }
+
+
+def _event(e: JobEvent) -> dict[str, Any]:
+    return {"seq": e.seq, "time": e.time, "kind": e.kind, "generation": e.generation, "message": e.message,
+            "fields": dict(e.fields)}
+
