@@ -65,6 +65,8 @@ def test_followers_point_at_the_leader_and_a_killed_leader_is_replaced_keeping_e
         while stub.DescribeJob(pb.DescribeJobRequest(job_id="forming"), timeout=5).joined < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        history = list(stub.ListEvents(pb.ListEventsRequest(job_id="formed"), timeout=5).events)
+        assert [e.kind for e in history] == ["joined", "formed"]
     killed_at = time.monotonic()
     cluster.procs[leader].kill()
     cluster.procs[leader] = None
@@ -81,6 +83,7 @@ def test_followers_point_at_the_leader_and_a_killed_leader_is_replaced_keeping_e
             assert renewed.generation == 1
         described = stub.DescribeJob(pb.DescribeJobRequest(job_id="formed"), timeout=5)
         assert (described.state, described.generation, described.joined) == (pb.JobDescription.FORMED, 1, 2)
+        assert list(stub.ListEvents(pb.ListEventsRequest(job_id="formed"), timeout=5).events) == history  # kept in etcd
         # The forming job completes: its first worker re-attaches (same id and secret), a second arrives.
         again = join(stub, "forming", 2, "a", 9003, member_id="ab" * 16, member_secret="cd" * 16)
         second = join(stub, "forming", 2, "b", 9004)

@@ -117,6 +117,8 @@ class WebServer:
             response = await handler(request)
         except web.HTTPException as exc:
             response = exc
+            if exc.status >= 400 and exc.content_type != "application/json":  # the router's own (no such path): JSON too
+                response = _error(type(exc), f"{exc.reason}: {request.path[:200]}")
         # Nothing served here runs or loads anything but the package's own script and style.
         response.headers.setdefault("Content-Security-Policy",
                                     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
