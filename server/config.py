@@ -53,6 +53,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise ValueError("must be above 0 and at most 1")
+    return value
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.lower()
@@ -100,6 +107,7 @@ SETTINGS = (
     Setting("max_streams", _count, "200000", "open Session streams at most; another gets RESOURCE_EXHAUSTED (its client retries)"),
     Setting("retain_ended_jobs", _count, "1000", "failed jobs kept after their last worker left, so that DescribeJob can say why; the oldest go first"),
     Setting("retain_ended_s", _positive, "300", "how long such a job is kept"),
+    Setting("caller_share", _share, "0.25", "the fraction of --max-jobs, --max-members (as Joins waiting) and --max-streams one caller may hold: a token (with --auth-tokens), else a client certificate, else a peer address; admin tokens are exempt"),
     Setting("max_events_per_job", _count, "1000", "a job's history (commctx events, the dashboard) keeps its last this many events"),
     Setting("max_connection_age_s", _positive, "3600", "a connection is closed (GOAWAY) after this long, its calls in flight then get --max-join-wait-s more; clients reconnect"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
@@ -142,6 +150,7 @@ class Config:
     retain_ended_s: float = 300.0
     max_connection_age_s: float = 3600.0
     max_events_per_job: int = 1000
+    caller_share: float = 0.25
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -181,6 +190,11 @@ def from_env(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = 
             values[s.name] = s.parse(raw)
         except ValueError as exc:
             p.error(f"{source}={raw}: {exc}")
+    for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"):  # security never turns off by an empty flag
+        setting = next(x for x in SETTINGS if x.name == name)
+        if getattr(args, name) == "" and env.get(setting.env):
+            p.error(f"{setting.flag} is empty but {setting.env} is set: an empty flag would turn "
+                    f"{'TLS' if name.startswith('tls') else 'tokens'} off; unset {setting.env} to serve without it")
     grace_given = args.reconnect_grace_s is not None or "COMMCTX_RECONNECT_GRACE_S" in env
     if not grace_given:  # the default 1 s, but never beyond a shorter lease
         values["reconnect_grace_s"] = min(values["reconnect_grace_s"], values["lease_ttl_s"])

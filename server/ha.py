@@ -60,6 +60,10 @@ class Replica:
         self._progress = asyncio.Condition()
         self._leader_changed = asyncio.Event()
         self.role = "unknown"  # "leader", "follower" or "unknown"
+        # Until when this replica may be sure of its election lease (the keeper
+        # thread moves it on with each renewal etcd confirms): past it, another
+        # replica may lead, so this one answers nothing (RendezvousServer.leading).
+        self.trusted_until = -math.inf
 
     async def __call__(self, server: RendezvousServer) -> None:
         mirror = asyncio.create_task(self._mirror(), name="commctx-etcd-mirror")
@@ -97,6 +101,7 @@ class Replica:
             try:
                 granted_at = self._clock()
                 lease_id = (await self._unary(self._leases.LeaseGrant, rpc.LeaseGrantRequest(TTL=self._ttl))).ID
+                self.trusted_until = granted_at + self._ttl - self._margin
                 stop_keeping = threading.Event()
                 keeper = asyncio.ensure_future(asyncio.to_thread(self._keep, lease_id, granted_at, stop_keeping))
                 keeper.add_done_callback(lambda t: t.cancelled() or t.exception())  # read here or in _lead
@@ -142,6 +147,7 @@ class Replica:
                    else await asyncio.to_thread(self._store.load))
         self.role = "leader"
         server.deposed.clear()
+        server.leading = self.certain
         server.begin_term(self._store, epoch, records)
         log.info("leading", extra={"fields": {"epoch": epoch, "advertise": self._advertise, "jobs": len(records)}})
         deposed = asyncio.ensure_future(server.deposed.wait())
@@ -153,6 +159,10 @@ class Replica:
             keeper.result()  # raises LeaseLost
         keeper.cancel()
         raise LeaseLost("another replica fenced this one")
+
+    def certain(self) -> bool:
+        """Whether this replica leads and its election lease is surely still its own."""
+        return self.role == "leader" and self._clock() < self.trusted_until
 
     async def _follow(self, server: RendezvousServer, leader: str, keeper: asyncio.Task) -> None:
         """Points callers at `leader` until the leader key changes."""
@@ -178,7 +188,7 @@ class Replica:
                 reply = next(replies)
                 if reply.TTL <= 0:
                     raise LeaseLost("the election lease expired")
-                trusted_until = sent + reply.TTL - self._margin
+                trusted_until = self.trusted_until = sent + reply.TTL - self._margin
                 pause = self._ttl / 3
             except (grpc.RpcError, StopIteration):
                 pause = 0.2  # etcd unreachable for now: try again while the lease may still hold

@@ -17,7 +17,9 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
+import time
 from collections.abc import Sequence
 
 import prometheus_client
@@ -45,26 +47,77 @@ def read_file(path: str, flag: str) -> bytes:
         raise OSError(f"cannot read {flag} {path}: {exc.strerror}") from None
 
 
-def read_tls(config: Config) -> ServerTls | None:
-    """The TLS files the configuration names, read.
+EXPIRY_WARNING_S = 7 * 86400  # a certificate that expires sooner is logged as a warning
+
+
+def read_tls(config: Config, now: float | None = None) -> ServerTls | None:
+    """The TLS files the configuration names, read and checked: the chain and
+    its key must load and match, the client CA bundle must load, and the
+    certificate must be valid now (not expired, not yet valid).
 
     Raises:
-        OSError: naming the file that cannot be read.
+        OSError: naming the file that cannot be read, or the files and why they
+            cannot serve (never a bind failure later).
     """
     if not config.tls_cert:
         return None
-    return ServerTls(read_file(config.tls_cert, "--tls-cert"), read_file(config.tls_key, "--tls-key"),
-                     read_file(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
+    tls = ServerTls(read_file(config.tls_cert, "--tls-cert"), read_file(config.tls_key, "--tls-key"),
+                    read_file(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(os.path.expanduser(config.tls_cert), os.path.expanduser(config.tls_key))
+    except ssl.SSLError as exc:
+        raise OSError(f"--tls-cert {config.tls_cert} and --tls-key {config.tls_key} cannot serve TLS: "
+                      f"{_ssl_reason(exc)}") from None
+    if tls.client_ca is not None:
+        try:
+            context.load_verify_locations(cadata=tls.client_ca.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as exc:
+            raise OSError(f"--tls-client-ca {config.tls_client_ca} is not a PEM CA bundle: {_ssl_reason(exc)}") from None
+    left = cert_seconds_left(tls.cert_chain, config.tls_cert, now)
+    if left < EXPIRY_WARNING_S:
+        log.warning("tls_certificate_expires_soon", extra={"fields": {"file": config.tls_cert, "days_left": round(left / 86400, 1)}})
+    return tls
 
 
-def reload_tokens(callers: Callers) -> None:
-    """SIGHUP: re-reads the token file; a file that no longer parses changes nothing."""
+def cert_seconds_left(chain: bytes, path: str, now: float | None = None) -> float:
+    """Seconds until the first certificate of `chain` expires.
+
+    Raises:
+        OSError: it is not a certificate, has expired, or is not valid yet (naming `path`).
+    """
+    from cryptography import x509  # only a TLS server loads it
+
+    try:
+        cert = x509.load_pem_x509_certificate(chain)
+    except ValueError as exc:
+        raise OSError(f"--tls-cert {path} is not a PEM certificate: {exc}") from None
+    now = time.time() if now is None else now
+    starts, ends = cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp()
+    if now < starts:
+        raise OSError(f"--tls-cert {path} is not valid yet: its validity starts {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC")
+    if now >= ends:
+        raise OSError(f"--tls-cert {path} expired {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC")
+    return ends - now
+
+
+def _ssl_reason(exc: Exception) -> str:
+    reason = getattr(exc, "reason", None)
+    text = {"KEY_VALUES_MISMATCH": "the key does not match the certificate",
+            "PEM_LIB": "not PEM (a certificate or key that does not parse)"}.get(reason or "", None)
+    return text or (str(exc.args[-1]) if exc.args else str(exc))
+
+
+def reload_tokens(callers: Callers, server=None) -> None:
+    """SIGHUP: re-reads the token file (a file that no longer parses changes
+    nothing); the calls in flight of tokens it no longer holds end at once."""
     try:
         callers.reload()
     except (OSError, ValueError) as exc:
         log.error("tokens_not_reloaded", extra={"fields": {"reason": str(exc)}})
         return
-    log.info("tokens_reloaded", extra={"fields": {"tokens": len(callers)}})
+    ended = server.revoke_tokens() if server is not None else 0
+    log.info("tokens_reloaded", extra={"fields": {"tokens": len(callers), "calls_ended": ended}})
 
 
 def etcd_config(config: Config) -> EtcdConfig:
@@ -152,7 +205,12 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         limits=Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)}),  # same names as the settings
         replica=replica,
     )
-    print(f"commctx-server listening on {host_port(config.host, server.port)}", flush=True)
+    security = ("mutual TLS" if tls.client_ca else "TLS") if tls is not None else "plaintext"
+    # The address last on the line, as tools read it (e.g. line.rsplit(":", 1)).
+    print(f"commctx-server ({security}, tokens {'on' if callers is not None else 'off'}) listening on "
+          f"{host_port(config.host, server.port)}", flush=True)
+    if tls is not None:
+        server.telemetry.tls_expiry(cert_seconds_left(tls.cert_chain, config.tls_cert))
     if server.health_port is not None:
         print(f"commctx-server health on {host_port(config.host, server.health_port)}", flush=True)
     if server.http_port is not None:
@@ -163,7 +221,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if callers is not None:
-        loop.add_signal_handler(signal.SIGHUP, reload_tokens, callers)
+        loop.add_signal_handler(signal.SIGHUP, reload_tokens, callers, server)
     signalled = asyncio.ensure_future(stop.wait())
     # An HA replica fenced by another goes back to campaigning; a single server stops.
     deposed = asyncio.ensure_future(server.deposed.wait() if replica is None else asyncio.Event().wait())

@@ -135,6 +135,7 @@ class Telemetry:
             buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1), registry=registry,
         )
         self._gc_started = 0.0
+        self._tls_expires_at: float | None = None
         gc.callbacks.append(self._gc)
         registry.register(_StateCollector(stats, self.loop_lag))
 
@@ -170,11 +171,27 @@ class Telemetry:
         else:
             event(kind, **fields)
 
+    def tls_expiry(self, seconds_left: float) -> None:
+        """The main port's certificate expires in `seconds_left` (commctx_tls_cert_expiry_seconds counts down)."""
+        self._tls_expires_at = time.time() + seconds_left
+        self.registry.register(_ExpiryCollector(lambda: self._tls_expires_at))
+
     def rpc_error(self, method: str, code: str) -> None:
         self.errors.labels(method, code).inc()
 
     def session_ended(self, how: str) -> None:
         self.session_ends.labels(how).inc()
+
+
+class _ExpiryCollector:
+    def __init__(self, expires_at: Callable[[], float | None]) -> None:
+        self._expires_at = expires_at
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        at = self._expires_at()
+        if at is not None:
+            yield GaugeMetricFamily("commctx_tls_cert_expiry_seconds",
+                                    "Seconds until the main port's TLS certificate expires", value=at - time.time())
 
 
 class _StateCollector:

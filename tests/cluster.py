@@ -95,7 +95,7 @@ class Server(Proc):
             extra.append("--store=memory")  # tests that want durable state pass --state-dir
         argv = argv or [sys.executable, "-m", "commctx.server", "--host", host, "--port", "0", *extra, *args]
         super().__init__(argv, "server", env)
-        first = self.line(30)
+        first = self.banner = self.line(30)
         if "listening on" not in first:
             raise AssertionError(f"server did not start: {first!r}\n{self.log()}")
         self.port = int(first.rsplit(":", 1)[1])

@@ -11,7 +11,8 @@ import pytest
 
 from commctx.server.errors import NotFound, Unavailable
 from commctx.server.planning import JobSpec
-from commctx.server.rendezvous.executor import Executor, Waiters
+from commctx.server.rendezvous.executor import Executor
+from commctx.server.rendezvous.waiting import Waiters
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobState, JoinParams, MemberGone, NewWorld
 from commctx.server.rendezvous.store import Fenced, MemoryStore, StoreError

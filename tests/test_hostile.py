@@ -20,6 +20,14 @@ that this list is the whole threat model's checklist:
 | a garbage state database stops the server with a traceback | here |
 | one node Join standing for a million workers (a reply of a million assignments) | here |
 | a restart request for another job's world, or a stale generation | test_machine.py::test_a_launcher_restarting_its_workers_re_forms_the_world_once (a member restarts only its own job, once per generation) |
+| one caller fills the server's jobs, waiting Joins or streams | test_tenants.py (per-caller shares) |
+| one member opens thousands of sessions | test_detect.py::test_a_flood_of_sessions_for_one_member_holds_one_stream |
+| a revoked token's sessions, waiting Joins and watches go on | test_tenants.py |
+| TLS off by an empty flag; a bad, mismatched, expired certificate served | test_tenants.py |
+| a spare port out of range handed to every worker | test_tenants.py |
+| short job secrets; guessing one at 1,600 tries a second | test_tenants.py |
+| a frozen leader that thaws answers from stale state | test_ha.py::test_a_frozen_leader_that_thaws_answers_nothing |
+| a job's history flooded by one refusal; a slow reader of WatchEvents or the event stream | test_machine.py::test_a_refusal_is_recorded_and_a_storm_of_it_counted; test_events.py |
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ async def rejected(call) -> grpc.aio.AioRpcError:
 async def test_a_stranger_cannot_take_a_sealed_job_or_read_it(stub):
     real = asyncio.ensure_future(stub.Join(join_request("team-a", 2, "node-a", 0, job_secret=JOB_SECRET)))
     await eventually(lambda: _joined(stub, "team-a", 1, JOB_SECRET), what="the team's first worker waits")
-    for secret in ("", "guessing-it", JOB_SECRET[:-1]):
+    for secret in ("", "guessing-it-right", JOB_SECRET[:-1]):
         for node in ("0evil", "node-b"):
             err = await rejected(stub.Join(join_request("team-a", 2, node, 9, address="10.6.6.6", job_secret=secret)))
             assert err.code() is Code.PERMISSION_DENIED and "node-a" not in err.details() and "127.0.0.1" not in err.details()
@@ -150,7 +158,7 @@ async def test_a_huge_spec_is_refused_unread_while_health_answers():
 
 
 async def test_a_job_flood_stops_at_the_job_limit():
-    s = await start_server("127.0.0.1", 0, limits=Limits(max_jobs=200))
+    s = await start_server("127.0.0.1", 0, limits=Limits(max_jobs=200, caller_share=1.0))  # one caller may take it all
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
             stub = pb_grpc.RendezvousStub(ch)

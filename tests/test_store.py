@@ -121,7 +121,7 @@ def test_roundtrip(make_store):
     s = make_store()
     epoch = s.take_over()
     s.commit([PutJob(JobRecord("j", SPEC, "formed", 3, "", WORLD)), PutMember("j", member("m2", 2)), PutMember("j", member("m1", 1)),
-              PutJob(JobRecord("k", JobSpec.build(1), "failed", 0, "why", None, (), job_secret_digest("sealed-job-k"),
+              PutJob(JobRecord("k", JobSpec.build(1), "failed", 0, "why", None, (), job_secret_digest("sealed-job-k-secret"),
                                1_800_000_000.25, 1_800_000_060.5))], epoch)
     s.close()
     loaded = make_store().load()
@@ -130,7 +130,7 @@ def test_roundtrip(make_store):
     assert (j.spec, j.state, j.generation, j.reason, j.world) == (SPEC, "formed", 3, "", WORLD)
     assert j.members == (member("m1", 1), member("m2", 2))  # join order
     assert loaded[1].members == () and loaded[1].world is None
-    assert (j.seal, loaded[1].seal) == ("", job_secret_digest("sealed-job-k"))  # only digests are kept
+    assert (j.seal, loaded[1].seal) == ("", job_secret_digest("sealed-job-k-secret"))  # only digests are kept
     assert (j.since, loaded[1].since, loaded[1].retained_until) == (0.0, 1_800_000_000.25, 1_800_000_060.5)
 
 

@@ -11,9 +11,9 @@ hears of a later change before an earlier one. Long lists of pushes and wakes
 go in slices, yielding the event loop between them, and worlds too big to
 plan inside a transition are planned in a worker thread.
 
-`Waiters` holds the Join calls waiting for their world. `Executor` also arms
-the one timer that runs the machine's `expire_due` when its next deadline
-comes (coalesced to 50 ms ticks).
+The Join calls waiting for their world are `Waiters` (waiting.py), which
+the executor wakes. It also arms the one timer that runs the machine's
+`expire_due` when its next deadline comes (coalesced to 50 ms ticks).
 """
 
 from __future__ import annotations
@@ -24,119 +24,16 @@ import logging
 import math
 from collections.abc import Callable
 
-from ..errors import Conflict, NotFound, Unavailable
-from .deadlines import Deadlines
+from ..errors import Unavailable
 from .history import Watchers
 from .machine import Actions, Rendezvous, plan_or_error
-from .model import JobStopped, MemberGone, NewWorld, Note, PlanRequest, WaitOutcome
+from .model import Note, PlanRequest
 from .store import Fenced, Store, StoreError
+from .waiting import SLICE, Waiters
 
 log = logging.getLogger("commctx.server")
 
-SLICE = 50  # pushes or wakes between two yields of the event loop: each wakes a coroutine that runs in the next turn
 TICK_S = 0.05  # deadlines are served on ticks of this length
-
-
-class Waiters:
-    """Join calls waiting to be placed, by job and member, with their deadlines."""
-
-    def __init__(self) -> None:
-        self._by_job: dict[str, dict[str, asyncio.Future[NewWorld]]] = {}
-        self._deadlines = Deadlines()  # (job id, member id, id of the future)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
-        self._live = 0  # waiting futures
-
-    def add(self, job_id: str, member_id: str, timeout_s: float | None) -> asyncio.Future[NewWorld]:
-        """A future that resolves to the member's world, or raises NotFound,
-        Conflict, or TimeoutError after `timeout_s`."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[NewWorld] = loop.create_future()
-        waiting = self._by_job.setdefault(job_id, {})
-        earlier = waiting.get(member_id)
-        if earlier is not None:  # a retried Join took over: the earlier call is answered now, not left to time out
-            self._live -= 1
-            if not earlier.done():
-                earlier.set_exception(Conflict(f"a later Join call for member {member_id} of job {job_id!r} took over this one"))
-        waiting[member_id] = future
-        self._live += 1
-        if timeout_s is not None:
-            at = loop.time() + timeout_s
-            self._deadlines.push(at, (job_id, member_id, id(future)))
-            if at < self._timer_at:
-                self._arm(loop, at)
-        return future
-
-    def discard(self, job_id: str, member_id: str, future: asyncio.Future) -> None:
-        waiting = self._by_job.get(job_id)
-        if waiting is not None and waiting.get(member_id) is future:
-            del waiting[member_id]
-            self._live -= 1
-            if not waiting:
-                del self._by_job[job_id]
-        if len(self._deadlines) > 2 * self._live + 1024:  # answered waits' deadlines: drop them, not hold them for the timeout
-            self._deadlines.keep(self._waiting)
-
-    def waiting(self, job_id: str, member_id: str) -> bool:
-        """Whether a Join call waits for this member."""
-        return member_id in self._by_job.get(job_id, {})
-
-    def _waiting(self, key: tuple[str, str, int]) -> bool:
-        future = self._by_job.get(key[0], {}).get(key[1])
-        return future is not None and id(future) == key[2]
-
-    def _ended_by(self, job_id: str, outcome: WaitOutcome) -> list[asyncio.Future[NewWorld]]:
-        """The waits `outcome` ends: its member's, the whole job's, or those of the world's members."""
-        waiting = self._by_job.get(job_id, {})
-        if isinstance(outcome, MemberGone):
-            return [f for f in (waiting.get(outcome.member_id),) if f is not None]
-        if isinstance(outcome, JobStopped):
-            return list(waiting.values())
-        return [f for mid, f in waiting.items() if mid in outcome.plan.ranks]
-
-    def refuse(self, job_id: str, outcome: WaitOutcome, exc: Exception) -> None:
-        """Ends with `exc` the waits `outcome` would have ended."""
-        for future in self._ended_by(job_id, outcome):
-            if not future.done():
-                future.set_exception(exc)
-
-    def fail_all(self, exc: Exception) -> None:
-        """Ends every wait with `exc` (the server can no longer answer them)."""
-        for waiting in self._by_job.values():
-            for future in waiting.values():
-                if not future.done():
-                    future.set_exception(exc)
-
-    async def wake(self, job_id: str, outcome: WaitOutcome) -> None:
-        futures = self._ended_by(job_id, outcome)
-        if isinstance(outcome, MemberGone):
-            error: Exception | None = NotFound(f"member {outcome.member_id} left job {job_id!r} while waiting")
-        else:
-            error = Conflict(outcome.reason) if isinstance(outcome, JobStopped) else None
-        for i, future in enumerate(futures):
-            if not future.done():
-                if error is None:
-                    future.set_result(outcome)
-                else:
-                    future.set_exception(error)
-            if i % SLICE == SLICE - 1:
-                await asyncio.sleep(0)
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = loop.call_at(at, self._expire, loop), at
-
-    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._timer, self._timer_at = None, math.inf
-        now = loop.time()
-        while (entry := self._deadlines.pop_due(now)) is not None:
-            job_id, member_id, key = entry[1]
-            future = self._by_job.get(job_id, {}).get(member_id)
-            if future is not None and id(future) == key and not future.done():
-                future.set_exception(TimeoutError())
-        if self._deadlines.next() < math.inf:
-            self._arm(loop, self._deadlines.next())
 
 
 class Executor:

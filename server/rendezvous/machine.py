@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable
 from ..errors import (
     AlreadyExists,
     Conflict,
+    InvalidArgument,
     JobFull,
     LimitExceeded,
     NotFound,
@@ -63,6 +64,7 @@ from ..errors import (
 )
 from ..planning import JobSpec, PlanError, WorldPlan, build_plan, elide, plan_world
 from .deadlines import Deadlines
+from .shares import JOBS, SERVER, Caller, Guesses, Shares
 from .model import (
     DISCONNECTED,
     EventKind,
@@ -171,6 +173,8 @@ class Rendezvous:
         self.lease_ttl_s = lease_ttl_s
         self.reconnect_grace_s = min(reconnect_grace_s, lease_ttl_s)
         self.limits = limits
+        self.shares = Shares(limits)  # what each caller holds (jobs here; Joins waiting and streams at the RPC edge)
+        self.guesses = Guesses(clock)  # wrong job secrets, by caller and job
         self._members = 0  # across all jobs
         self.plan_inline_max = plan_inline_max
         self._clock = clock
@@ -195,7 +199,7 @@ class Rendezvous:
 
     # -- joining -------------------------------------------------------------
 
-    def join(self, p: JoinParams) -> tuple[Joined, Actions, NewWorld | None]:
+    def join(self, p: JoinParams, caller: Caller = SERVER) -> tuple[Joined, Actions, NewWorld | None]:
         """Registers a worker, or re-attaches one that joined before with the
         same member id; forms the world when the spec allows.
 
@@ -209,11 +213,13 @@ class Rendezvous:
                 member id is reused with other parameters.
             AlreadyExists: the local rank or node rank is held by another worker.
             JobFull: the job (or the role) already has all its workers.
+            LimitExceeded: the server holds its maximum of members or jobs, or
+                the caller its share of jobs (shares.py).
         """
         job = self._jobs.get(p.job_id)
         if job is not None:
             try:
-                self._check_seal(job, p)  # first: a stranger learns nothing about a sealed job
+                self._check_seal(job, p, caller)  # first: a stranger learns nothing about a sealed job
                 if p.member_id and p.member_id in job.members:
                     return self._reattach(job, p)
                 self._check_admissible(job, p)
@@ -234,14 +240,16 @@ class Rendezvous:
         if job is None and len(self._jobs) >= self.limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
+        if job is None:
+            p.spec.check_declared(p.job_id, p.role)
+            self.shares.take(JOBS, caller)  # last: nothing to give back if it refuses
         now = self._clock()
         actions = Actions()
         if job is None:
-            p.spec.check_declared(p.job_id, p.role)
             if self._failed.pop(p.job_id, None) is not None:
                 actions.events.append((p.job_id, None))  # the failed job of this id is gone: its watches end
             job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now)
-            job.seal = p.seal
+            job.seal, job.creator = p.seal, caller
             actions.writes.append(PutJob(self._record(job)))
         member_id = p.member_id or self._new_member_id()
         self._seq += 1
@@ -317,13 +325,29 @@ class Rendezvous:
         actions.writes.append(PutEvent(job.job_id, event))
         actions.events.append((job.job_id, event))
 
+    def _unseal(self, job_id: str, seal: str, secret: str | None, caller: Caller, what: str) -> None:
+        """Whether `secret` opens the job (None: not asked, for operators and the
+        server); wrong secrets are counted by caller and job (shares.Guesses).
+
+        Raises:
+            LimitExceeded: the caller gave too many wrong ones for this job lately.
+            PermissionDenied: the job is sealed and `secret` does not open it.
+        """
+        if secret is None:
+            return
+        self.guesses.check(caller, job_id)
+        if not job_secret_matches(seal, secret):
+            self.guesses.failed(caller, job_id)
+            raise PermissionDenied(f"job {job_id!r} is sealed: {what}")
+
     def last_event(self, job_id: str) -> JobEvent | None:
         """The job's latest event (None: none, or an unknown job)."""
         job = self._jobs.get(job_id)
         history = job.events if job is not None else self._failed.get(job_id, (None, None, ()))[2]
         return history[-1] if history else None
 
-    def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None) -> list[JobEvent]:
+    def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None,
+               caller: Caller = SERVER) -> list[JobEvent]:
         """The job's kept events of seq above `after` (at most `limit`), of a
         job held or a failed one kept; for a sealed job, given its secret (None:
         not checked).
@@ -340,8 +364,7 @@ class Rendezvous:
             seal = view.seal
         else:
             raise NotFound(f"no job {elide(job_id)} on this server")
-        if secret is not None and not job_secret_matches(seal, secret):
-            raise PermissionDenied(f"job {job_id!r} is sealed: give its job_secret to read its events")
+        self._unseal(job_id, seal, secret, caller, "give its job_secret to read its events")
         out = []
         for event in reversed(history):  # the newest first: a follower asks for a few after its cursor
             if event.seq <= after:
@@ -394,9 +417,10 @@ class Rendezvous:
         self._maybe_form(job, actions)
         return joined, actions, None
 
-    @staticmethod
-    def _check_seal(job: Job, p: JoinParams) -> None:
+    def _check_seal(self, job: Job, p: JoinParams, caller: Caller) -> None:
+        self.guesses.check(caller, job.job_id)
         if job.seal and not hmac.compare_digest(job.seal, p.seal):
+            self.guesses.failed(caller, job.job_id)
             raise PermissionDenied(f"job {job.job_id!r} is sealed: this join's job_secret is missing or wrong")
         if p.seal and not job.seal:
             raise Conflict(f"job {job.job_id!r} is not sealed, but this join carries a job_secret; "
@@ -729,8 +753,11 @@ class Rendezvous:
             The job's current generation, and actions.
 
         Raises:
+            InvalidArgument: a spare port out of range.
             NotFound: unknown job or member.
         """
+        if not 0 <= spare_port <= 65535:
+            raise InvalidArgument(f"spare_port {spare_port} is out of range 1..65535 (0: unchanged)")
         job = self._job(job_id)
         member = self._member(job, member_id)
         actions = Actions()
@@ -794,7 +821,8 @@ class Rendezvous:
         current, actions = self.renew(job_id, member_id, generation)
         return self.lease_ttl_s, current, actions
 
-    def leave(self, job_id: str, member_id: str, secret: str | None = None, job_secret: str | None = None) -> Actions:
+    def leave(self, job_id: str, member_id: str, secret: str | None = None, job_secret: str | None = None,
+              caller: Caller = SERVER) -> Actions:
         """Removes a member, given its secret and, for a sealed job, the job's
         (None: not checked).
 
@@ -803,8 +831,7 @@ class Rendezvous:
             NotFound: unknown job or member, or not its secret.
         """
         job = self._job(job_id)
-        if job_secret is not None and not job_secret_matches(job.seal, job_secret):
-            raise PermissionDenied(f"job {job_id!r} is sealed: this leave's job_secret is missing or wrong")
+        self._unseal(job_id, job.seal, job_secret, caller, "this leave's job_secret is missing or wrong")
         self._member(job, member_id, secret)
         actions = Actions()
         self._remove(job, member_id, "left", actions)
@@ -897,6 +924,7 @@ class Rendezvous:
             actions.wakes.append((job.job_id, MemberGone(member_id)))
         if not job.members:
             del self._jobs[job.job_id]
+            self.shares.give(JOBS, job.creator)
             if job.state is JobState.FAILED:  # kept a while (also across a restart) so DescribeJob can say why
                 self._retain(job, self.limits.retain_ended_s, actions)
                 actions.writes.append(PutJob(self._record(job, self._wall() + self.limits.retain_ended_s)))
@@ -955,7 +983,7 @@ class Rendezvous:
             spec = record.spec
             job = Job(record.job_id, spec, False, now)
             job.state, job.generation, job.reason = JobState(record.state), record.generation, record.reason
-            job.seal = record.seal
+            job.seal, job.creator = record.seal, SERVER  # who created it is not stored: it counts against nobody's share
             job.events = collections.deque(record.events, maxlen=self.limits.max_events_per_job)
             if record.since:  # AGE goes on from when it began, not from the restart
                 job.forming_since = now - max(0.0, wall - record.since)
@@ -993,7 +1021,8 @@ class Rendezvous:
             return None
         return NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
 
-    def describe(self, job_id: str, secret: str | None = None, first_node: int = 0, max_nodes: int | None = None) -> JobView:
+    def describe(self, job_id: str, secret: str | None = None, first_node: int = 0, max_nodes: int | None = None,
+                 caller: Caller = SERVER) -> JobView:
         """The job as DescribeJob reports it, with nodes [first_node, first_node
         + max_nodes) of its order; for a sealed job, given its secret (None: not
         checked, for operators and the server itself). Costs what _node_page does.
@@ -1007,8 +1036,7 @@ class Rendezvous:
             view = self._failed[job_id][0]
         else:
             view = self._view(self._job(job_id), first_node, max_nodes)
-        if secret is not None and not job_secret_matches(view.seal, secret):
-            raise PermissionDenied(f"job {job_id!r} is sealed: give its job_secret to describe it")
+        self._unseal(job_id, view.seal, secret, caller, "give its job_secret to describe it")
         if job is None and (first_node or max_nodes is not None):
             view = dataclasses.replace(view, nodes=view.nodes[first_node:None if max_nodes is None else first_node + max_nodes])
         return view

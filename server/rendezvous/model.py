@@ -57,8 +57,9 @@ def job_secret_digest(secret: str) -> str:
     Raises:
         InvalidArgument: the secret is malformed (the message never echoes it).
     """
-    if not 8 <= len(secret) <= 256 or not secret.isascii() or not secret.isprintable() or " " in secret:
-        raise InvalidArgument(f"job_secret is malformed ({len(secret)} characters): give 8-256 printable ASCII characters, no spaces")
+    if not 16 <= len(secret) <= 256 or not secret.isascii() or not secret.isprintable() or " " in secret:
+        raise InvalidArgument(f"job_secret is malformed ({len(secret)} characters): give 16-256 printable ASCII characters, "
+                              f"no spaces")
     return hashlib.sha256(b"job:" + secret.encode()).hexdigest()
 
 
@@ -93,6 +94,7 @@ class Limits:
     retain_ended_s: float = 300.0  # ... and for how long
     max_connection_age_s: float = 3600.0  # then GOAWAY; calls in flight get max_join_wait_s + 1 s more
     max_events_per_job: int = 1000  # a job's history keeps its last this many events
+    caller_share: float = 0.25  # what one caller (token, client certificate or peer address) may hold of each limit
 
 
 class JoinParams(NamedTuple):
@@ -357,7 +359,7 @@ class Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
-        "last_call_armed", "version", "planning", "seal", "node_order", "workers", "events", "refused",
+        "last_call_armed", "version", "planning", "seal", "node_order", "workers", "events", "refused", "creator",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -386,6 +388,7 @@ class Job:
         self.node_order: tuple[int, frozenset[str]] | None = None  # the node keys of `plan`, by generation (Rendezvous._node_page)
         self.events: collections.deque[JobEvent] = collections.deque()  # its history, the last max_events_per_job
         self.refused: Refusals = Refusals()
+        self.creator: Any = None  # the Caller whose Join created it (shares.py); restored jobs: the server
 
     def in_world(self, member_id: str) -> bool:
         """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""

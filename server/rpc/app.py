@@ -24,7 +24,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
-from ..errors import NotLeader
+from ..errors import NotLeader, Unauthenticated
 from ..rendezvous.model import Limits, Stats
 from ..rendezvous.store import Fenced, NullStore, Store
 from ..gc_pacer import GcPacer
@@ -64,6 +64,9 @@ class RendezvousServer:
         self.telemetry: Telemetry
         self.term: Term | None = None  # None: not leading (an HA replica following, or between terms)
         self.leader = ""  # the leader's address, as a replica that does not lead knows it
+        # Whether this server may answer now: an HA replica, only while sure of its
+        # election lease (a leader frozen past it must not answer from stale state).
+        self.leading: Callable[[], bool] = lambda: True
         # Set when another server took over the store: this one must stop.
         self.deposed = asyncio.Event()
         self._servers: list[grpc.aio.Server] = []
@@ -126,6 +129,15 @@ class RendezvousServer:
         term.servicer.close(error)
         await term.executor.abandon(error)
 
+    def revoke_tokens(self) -> int:
+        """Ends, UNAUTHENTICATED, every call in flight whose token the (reloaded)
+        token file no longer holds: sessions, waiting Joins (their members are
+        withdrawn, as on a cancelled Join) and event watches. Returns how many."""
+        if self._callers is None or self.term is None:
+            return 0
+        return self.term.machine.shares.live.revoke(self._callers.knows, Unauthenticated(
+            "this call's token is no longer accepted: the server's --auth-tokens file no longer holds it"))
+
     def not_leader(self) -> NotLeader:
         if self.leader:
             return NotLeader(f"this replica does not serve the rendezvous; the leader is {self.leader}", self.leader)
@@ -186,7 +198,7 @@ class Router(pb_grpc.RendezvousServicer):
     def _servicer(self, context: grpc.aio.ServicerContext, method: str) -> RendezvousServicer | None:
         """The term's servicer; None once the call is answered NOT_LEADER (return None then)."""
         term = self._server.term
-        if term is None:
+        if term is None or not self._server.leading():
             status = codec.error_status(self._server.not_leader())
             self._server.telemetry.rpc_error(method, status.code.name)
             codec.answer_error(context, status)

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from ..errors import Unauthenticated
+from ..rendezvous.shares import TOKEN, Caller
 from . import codec
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -54,12 +55,24 @@ class Callers:
 
     def role(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
         """USER or ADMIN for the call's bearer token, or None."""
+        return self.lookup(metadata)[1]
+
+    def lookup(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[bytes, str | None]:
+        """The digest of the call's bearer token (b"": none) and the role it grants (None: unknown)."""
         for key, value in metadata or ():
             if key == "authorization" and isinstance(value, str):
                 scheme, _, token = value.partition(" ")
                 if scheme.lower() == "bearer" and token:
-                    return self._roles.get(_digest(token.strip()))
-        return None
+                    digest = _digest(token.strip())
+                    return digest, self._roles.get(digest)
+        return b"", None
+
+    def knows(self, digest: bytes | str) -> bool:
+        """Whether the token of this digest (bytes, or hex) is in the file (as last read)."""
+        try:
+            return (bytes.fromhex(digest) if isinstance(digest, str) else digest) in self._roles
+        except ValueError:
+            return False
 
     def _read(self) -> dict[bytes, str]:
         try:
@@ -77,6 +90,26 @@ class Callers:
         if not roles:
             raise ValueError(f"--auth-tokens {self.path} holds no token: no caller could get in")
         return roles
+
+
+def caller_of(context: grpc.aio.ServicerContext, callers: Callers | None) -> Caller:
+    """Who a call comes from, for fair shares: its token (with --auth-tokens; an
+    admin one is exempt), else its client certificate's identity (the first
+    subject alternative name, else the common name), else its peer's IP."""
+    if callers is not None:
+        digest, role = callers.lookup(context.invocation_metadata())
+        if digest:
+            return Caller(TOKEN + digest.hex(), "this token", role == ADMIN)
+    auth = context.auth_context() or {}
+    for field in ("x509_subject_alternative_name", "x509_common_name"):
+        names = auth.get(field)
+        if names:
+            name = names[0].decode("utf-8", "replace")[:128]
+            return Caller("cert:" + name, f"client certificate {name!r}")
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    ip = rest.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else peer
+    return Caller("peer:" + ip, f"peer {ip[:64]}")
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):

@@ -40,6 +40,7 @@ from ..errors import (
     WaitTimeout,
 )
 from ..planning import JobSpec, PlannedGroup, elide
+from ..rendezvous.waiting import Placed
 from ..rendezvous.model import (
     Assignment,
     Gone,
@@ -194,9 +195,9 @@ def spec_to_message(spec: JobSpec) -> pb.JobSpec:
 # -- requests --------------------------------------------------------------------------
 
 
-def join_params(r: pb.JoinRequest, spec: JobSpec, member_secret: str) -> JoinParams:
-    """Validates a JoinRequest whose spec is `spec` (SpecCache.spec_of); `member_secret`
-    is the request's, or one the server picked.
+def join_params(r: pb.JoinRequest, spec: JobSpec) -> JoinParams:
+    """Validates a JoinRequest whose spec is `spec` (SpecCache.spec_of). Its
+    member secret is the domain's to check and keep (waiting.Joining.join).
 
     Raises:
         InvalidArgument: naming the first bad field and its value.
@@ -205,8 +206,7 @@ def join_params(r: pb.JoinRequest, spec: JobSpec, member_secret: str) -> JoinPar
         job_id=r.job_id, spec=spec, node_key=r.node_key, address=r.address, port=r.master_port,
         local_rank=r.local_rank if r.HasField("local_rank") else None,
         node_rank=r.node_rank if r.HasField("node_rank") else None,
-        role=r.role, member_id=r.member_id, member_secret=member_secret, job_secret=r.job_secret,
-        workers=r.workers or 1,
+        role=r.role, member_id=r.member_id, job_secret=r.job_secret, workers=r.workers or 1,
     )
 
 
@@ -243,10 +243,12 @@ def fill_assignment(m: pb.Assignment, a: Assignment) -> None:
         m.reason = a.reason
 
 
-def join_response(member_id: str, member_secret: str, lease_ttl_s: float, world: NewWorld, workers: int = 0) -> pb.JoinResponse:
-    """The answer to a Join seated in `world`; a node membership (`workers` given, the
+def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
+    """The answer to a Join seated in its world; a node membership (`workers` given, the
     request's JoinRequest.workers) gets each of its workers' assignments."""
-    response = pb.JoinResponse(member_id=member_id, member_secret=member_secret, lease_ttl_ms=round(lease_ttl_s * 1000))
+    member_id, world = placed.joined.member_id, placed.world
+    response = pb.JoinResponse(member_id=member_id, member_secret=placed.member_secret,
+                               lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000))
     fill_assignment(response.assignment, world.assignment_for(member_id))
     if workers:
         response.worker_assignments.append(response.assignment)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import os
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -16,13 +15,15 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..errors import InvalidArgument, LimitExceeded, NotFound, SessionReplaced, Unavailable, WaitTimeout
-from ..rendezvous.executor import Executor, Waiters
-from ..rendezvous.history import JOB_GONE, TooSlow
-from ..rendezvous.machine import Actions, Rendezvous
 from ..planning import elide
+from ..rendezvous.executor import Executor
+from ..rendezvous.history import JOB_GONE, TooSlow
+from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Gone, Replaced, check_job_id, check_member_id
+from ..rendezvous.shares import STREAMS, Caller
+from ..rendezvous.waiting import Joining, Waiters
 from . import codec
-from .auth import ADMIN, Callers
+from .auth import ADMIN, Callers, caller_of
 
 T = TypeVar("T")
 PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs, ListEvents
@@ -42,7 +43,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._streams = 0  # open Session calls
         self._sinks: set[asyncio.Queue] = set()  # of the open sessions
         self._executor = executor
-        self._waiters = waiters
+        self._joining = Joining(machine, executor, waiters)
         self._rpc_error = rpc_error
         self._specs = codec.SpecCache()
         self.draining = False
@@ -66,59 +67,14 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         try:
             if self.draining:
                 raise Unavailable("the server is shutting down; join another rendezvous server or retry")
-            secret = request.member_secret or os.urandom(16).hex()
-            spec = await self._specs.spec_of(request, self._machine.limits)
-            params = codec.join_params(request, spec, secret)
-            joined, actions, placed = self._machine.join(params)
+            params = codec.join_params(request, await self._specs.spec_of(request, self._machine.limits))
+            placed = await self._joining.join(params, request.member_secret, caller_of(context, self._callers),
+                                              request.wait_timeout_ms / 1000, context.time_remaining())
+            return codec.join_response(placed, request.workers)
         except Exception as exc:
-            self._executor.submit(Actions())  # a refusal the job records (the machine's outbox)
             self._fail(context, "Join", exc)
+            del exc  # its traceback holds this frame, which would hold it: no cycle
             return None
-        job_id, member_id = params.job_id, joined.member_id
-        longest = self._machine.limits.max_join_wait_s  # no Join is held longer, whatever it asks
-        timeout = min(request.wait_timeout_ms / 1000, longest) if request.wait_timeout_ms else longest
-        remaining = context.time_remaining()
-        if remaining is not None:
-            # Answer with who is missing before the caller's own deadline cuts the call.
-            cap = remaining - min(1.0, remaining * 0.1)
-            timeout = cap if timeout is None else min(timeout, cap)
-        # Registered before the actions run: the world may form with this very join.
-        waiter = self._waiters.add(job_id, member_id, timeout) if placed is None else None
-        self._executor.submit(actions)
-        error: BaseException
-        try:
-            if waiter is not None:
-                world = await waiter
-            else:  # a re-attached member of a formed world: answer once that world is durable
-                await self._executor.settled()
-                world = placed
-            response = codec.join_response(member_id, secret, joined.lease_ttl_s, world, request.workers)
-        except asyncio.CancelledError:  # the caller went away: withdrawn, nobody to answer
-            self._executor.submit(self._stop_waiting(job_id, member_id, waiter))
-            raise
-        except TimeoutError:
-            error = WaitTimeout(f"job {job_id!r} did not form within {timeout:g} s: {self._why_waiting(job_id)}")
-        except Exception as exc:
-            error = exc
-        else:
-            self._stop_waiting(job_id, member_id, waiter)  # placed: nothing to withdraw
-            return response
-        try:  # answered once the withdrawal is durable: a restart does not bring the member back
-            await self._executor.carry_out(self._stop_waiting(job_id, member_id, waiter))
-        except Unavailable as exc:
-            error = exc
-        self._fail(context, "Join", error)
-        del error  # its traceback holds this frame, which would hold it: no cycle
-        return None
-
-    def _stop_waiting(self, job_id: str, member_id: str, waiter: asyncio.Future | None) -> Actions:
-        """Ends this call's wait; withdraws the member unless it was placed or a
-        later Join call for it took over."""
-        if waiter is not None:
-            self._waiters.discard(job_id, member_id, waiter)
-        if self._waiters.waiting(job_id, member_id):
-            return Actions()
-        return self._machine.withdraw(job_id, member_id)
 
     @property
     def open_sessions(self) -> int:
@@ -138,25 +94,35 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return None
         return job_secret
 
-    def _why_waiting(self, job_id: str) -> str:
-        try:
-            return self._machine.describe(job_id).reason
-        except NotFound:
-            return "the job is gone"
-
     async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> None:
+        caller = caller_of(context, self._callers)
+        try:
+            self._take_stream(caller, "session streams")
+        except LimitExceeded as exc:
+            self._fail(context, "Session", exc)
+            return
+        try:
+            await self._session(context, caller)
+        finally:
+            self._give_stream(caller)
+
+    def _take_stream(self, caller: Caller, what: str) -> None:
+        """Counts one more open stream (Session or WatchEvents), within --max-streams and the caller's share.
+
+        Raises:
+            LimitExceeded: naming the limit, or the caller's share and its use.
+        """
         limit = self._machine.limits.max_streams
         if self._streams >= limit:
-            self._fail(context, "Session", LimitExceeded(
-                f"this server holds its maximum of {limit} session streams (--max-streams); retry later"))
-            return
+            raise LimitExceeded(f"this server holds its maximum of {limit} {what} (--max-streams); retry later")
+        self._machine.shares.take(STREAMS, caller)
         self._streams += 1
-        try:
-            await self._session(context)
-        finally:
-            self._streams -= 1
 
-    async def _session(self, context: grpc.aio.ServicerContext) -> None:
+    def _give_stream(self, caller: Caller) -> None:
+        self._streams -= 1
+        self._machine.shares.give(STREAMS, caller)
+
+    async def _session(self, context: grpc.aio.ServicerContext, caller: Caller) -> None:
         # The first message names the member; every message renews its lease.
         # Events the executor puts in the member's sink are written as they
         # come (through context.read/write, so `requests` is not iterated).
@@ -188,6 +154,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._executor.submit(actions)
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
         self._sinks.add(sink)
+        self._machine.shares.live.add(caller, sink.put_nowait)  # a revoked token's session ends (Unauthenticated)
         # Whether the client ended the stream (it finished or cancelled it, or its
         # connection broke): then the member is a departure unless it comes back
         # within the reconnect grace. The server ending it (stopping, handing
@@ -216,6 +183,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                     return
         finally:
             self._sinks.discard(sink)
+            self._machine.shares.live.discard(caller, sink.put_nowait)
             reader.cancel()
             if self.draining:
                 departed, how = False, "server"
@@ -242,6 +210,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             except NotFound as exc:
                 sink.put_nowait(Gone(str(exc)))
                 return
+            except InvalidArgument as exc:  # ends the stream, INVALID_ARGUMENT; the lease runs on
+                sink.put_nowait(exc)
+                return
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse | None:
         def renew() -> pb.KeepAliveResponse:
@@ -255,7 +226,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse | None:
         try:
             actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id), request.member_secret,
-                                          request.job_secret)
+                                          request.job_secret, caller_of(context, self._callers))
             await self._executor.carry_out(actions)  # answered once the departure is durable
         except Exception as exc:
             self._fail(context, "Leave", exc)
@@ -263,7 +234,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         return pb.LeaveResponse()
 
     async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription | None:
-        secret = self._secret(context, request.job_secret)
+        secret, caller = self._secret(context, request.job_secret), caller_of(context, self._callers)
 
         def describe() -> pb.JobDescription:
             size = request.node_page_size or NODE_PAGE_SIZE
@@ -273,7 +244,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if token and not (token.isdigit() and token.isascii() and len(token) <= 9):
                 raise InvalidArgument(f"node_page_token {elide(token)} is not a token DescribeJob gave")
             first = int(token or 0)
-            view = self._machine.describe(check_job_id(request.job_id), secret, first, size)
+            view = self._machine.describe(check_job_id(request.job_id), secret, first, size, caller)
             message = codec.description_message(view)
             if message.ByteSize() > MAX_REPLY_BYTES:
                 nodes = list(message.nodes)
@@ -309,7 +280,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         return await self._call(context, "ListJobs", jobs)
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: grpc.aio.ServicerContext) -> pb.ListEventsResponse | None:
-        secret = self._secret(context, request.job_secret)
+        secret, caller = self._secret(context, request.job_secret), caller_of(context, self._callers)
 
         def page() -> pb.ListEventsResponse:
             size = request.page_size or PAGE_SIZE
@@ -318,7 +289,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             token = request.page_token
             if token and not (token.isdigit() and token.isascii() and len(token) <= 19):
                 raise InvalidArgument(f"page_token {elide(token)} is not a token ListEvents gave")
-            events = self._machine.events(check_job_id(request.job_id), int(token or 0), size + 1, secret)
+            events = self._machine.events(check_job_id(request.job_id), int(token or 0), size + 1, secret, caller)
             shown = events[:size]
             return pb.ListEventsResponse(events=[codec.event_message(e) for e in shown],
                                          next_page_token=str(shown[-1].seq) if len(events) > size else "")
@@ -327,16 +298,16 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> None:
         watchers = self._executor.watchers
+        caller = caller_of(context, self._callers)
         try:
-            if len(watchers) >= self._machine.limits.max_streams:
-                raise LimitExceeded(f"this server holds its maximum of {self._machine.limits.max_streams} event watches "
-                                    f"(--max-streams); retry later")
             job_id = check_job_id(request.job_id)
-            snapshot = self._machine.events(job_id, request.after_seq, None, self._secret(context, request.job_secret))
+            snapshot = self._machine.events(job_id, request.after_seq, None, self._secret(context, request.job_secret), caller)
+            self._take_stream(caller, "open streams")
         except Exception as exc:
             self._fail(context, "WatchEvents", exc)
             return
         watch = watchers.open(job_id, snapshot)  # no await since the snapshot: nothing falls in between
+        self._machine.shares.live.add(caller, watch.end)  # a revoked token's watch ends (Unauthenticated)
         sent = request.after_seq
         try:
             while True:
@@ -355,3 +326,5 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 sent = item.seq
         finally:
             watchers.close(watch)
+            self._machine.shares.live.discard(caller, watch.end)
+            self._give_stream(caller)

@@ -41,6 +41,7 @@ from ..errors import NotFound, PermissionDenied, RendezvousError
 from ..planning import expand
 from ..rendezvous.history import JOB_GONE, TooSlow
 from ..rendezvous.model import JobEvent, JobView, check_job_id
+from ..rendezvous.shares import SERVER, TOKEN, Caller
 from ..rpc.auth import ADMIN, Callers
 
 if TYPE_CHECKING:
@@ -161,9 +162,16 @@ class WebServer:
         raise _error(web.HTTPUnauthorized, "this server requires an admin token: send 'Authorization: Bearer <token>' "
                                            "with a token its --auth-tokens file marks admin")
 
+    def _caller(self, request: web.Request) -> Caller:
+        """The call's token as a caller (its calls end when it is revoked); no tokens: the server's own."""
+        if self._callers is None:
+            return SERVER
+        digest, _ = self._callers.lookup([("authorization", request.headers.get("Authorization", ""))])
+        return Caller(TOKEN + digest.hex(), "this token", True)
+
     def _machine(self) -> Rendezvous:
         term = self._server.term
-        if term is None:
+        if term is None or not self._server.leading():
             leader = self._server.not_leader()
             raise _error(web.HTTPServiceUnavailable, str(leader), leader=leader.leader or None)
         return term.machine
@@ -249,6 +257,8 @@ class WebServer:
             after = max(after, int(last_id))
         watchers = self._server.executor.watchers
         watch = watchers.open(view.job_id, machine.events(view.job_id, after))  # no await in between
+        caller = self._caller(request)
+        machine.shares.live.add(caller, watch.end)  # a revoked token's stream ends
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                                "X-Accel-Buffering": "no"})
         task = asyncio.current_task()
@@ -273,6 +283,7 @@ class WebServer:
             pass
         finally:
             watchers.close(watch)
+            machine.shares.live.discard(caller, watch.end)
             self._streams.discard(task)
         return response
 
