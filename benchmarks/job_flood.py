@@ -15,7 +15,9 @@ with a short wait_timeout_ms their members would be withdrawn and the slots
 freed during the flood, so more than --max-jobs would be accepted.)
 
 The server is its own process, unpinned, with its defaults otherwise (SQLite
-store in a temporary --state-dir). The load is --procs processes of
+store in a temporary --state-dir), but --caller-share 1: the flood comes from
+one host, which by default may hold only a quarter of the jobs (a second
+host's would then still find room; tests/test_tenants.py checks that). The load is --procs processes of
 --channels connections each (a connection per job would need 100,000
 sockets), every process keeping --window Joins in flight, spread over its
 connections; all are connected before the clock starts. Meanwhile a prober
@@ -100,7 +102,8 @@ async def _load(address: str, first: int, count: int, channels: int, window: int
 
 def measure(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as state, \
-            commctx_server("--log-level", "warning", "--lease-ttl-s", "600", "--state-dir", state) as server:
+            commctx_server("--log-level", "warning", "--lease-ttl-s", "600", "--state-dir", state,
+                           "--caller-share", "1") as server:  # one caller (this host) may take the whole --max-jobs
         pid = server.proc.pid
         pipes, workers = start_loads(load, args.jobs, args.procs, server.address, args.channels, args.window)
         for c in pipes:
