@@ -31,6 +31,7 @@ from ..gc_pacer import GcPacer
 from ..telemetry import Telemetry, event
 from . import codec
 from .auth import Callers, TokenInterceptor
+from .health import Health
 from .servicer import RendezvousServicer
 
 log = logging.getLogger("commctx.server")
@@ -70,7 +71,7 @@ class RendezvousServer:
         # Set when another server took over the store: this one must stop.
         self.deposed = asyncio.Event()
         self._servers: list[grpc.aio.Server] = []
-        self._health = health.aio.HealthServicer()
+        self._health = Health()  # the main port's servicer, and the health-only port's (threads of its own)
         self._tasks: list[asyncio.Task] = []
         self._web = None  # the HTTP server (server/web), when on
         self._store: Store = store if store is not None else NullStore()
@@ -395,14 +396,13 @@ async def start_server(
     guards = [TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else []
     server = _grpc_server([*guards, DecodeGuard(out.telemetry.rpc_error)], limits)
     pb_grpc.add_RendezvousServicer_to_server(Router(out), server)
-    health_pb2_grpc.add_HealthServicer_to_server(out._health, server)
+    health_pb2_grpc.add_HealthServicer_to_server(out._health.aio, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         out.port = _listen(server, host, port, tls)
         out._servers.append(server)
         if health_port is not None:
-            probe = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port fails, not shared
-            health_pb2_grpc.add_HealthServicer_to_server(out._health, probe)
+            probe = out._health.port()  # a sync server on threads of its own: its Checks never wait for the loop
             out.health_port = _listen(probe, host, health_port)
             out._servers.append(probe)
     except BaseException:

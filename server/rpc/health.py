@@ -1,0 +1,165 @@
+"""Health statuses, answered on the main port from the event loop and on the
+health-only port from threads of their own.
+
+The main port's grpc.health.v1 is grpc_health's asyncio servicer: its answers
+wait for the event loop, and behind every completion gRPC has queued for the
+loop before them. grpc.aio hands completions to the loop through one socket
+pair, a byte per completion, and the loop reads one byte per turn; while the
+executor pushes a re-form's assignments (a slice of 50 session writes per
+turn), some 300 completions fill that socket, gRPC's poller thread blocks on
+it, and nothing more reaches the loop, a new health Check included, until the
+loop has read it back down, about 200 turns later. At 10,000 members that is
+about as long as the re-form itself (benchmarks/reform_health.py).
+
+So the health-only port (--health-port, what the Kubernetes manifests probe)
+is a sync gRPC server: its own completion queue, polled by its own thread, and
+a small pool of its own that runs the handlers. A Check there needs the GIL
+for a few short steps, which a thread gets within sys.getswitchinterval()
+(5 ms) however busy the loop is; it never waits for the loop. Its servicer
+holds the statuses under a lock; `Health.set` writes them there from the loop
+thread before the asyncio servicer's, so both ports answer the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+CHECK_THREADS = 4  # run Check (a dictionary read under a lock): a few suffice
+MAX_WATCHES = 16  # Watch streams open at once on the health-only port; more are refused RESOURCE_EXHAUSTED
+
+
+class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 for a sync gRPC server, with statuses any thread may set.
+
+    As grpc_health's servicers: "" starts SERVING; Check of an unknown service
+    is NOT_FOUND; Watch sends the current status, then each change
+    (SERVICE_UNKNOWN while unknown); after `enter_graceful_shutdown` every
+    status is NOT_SERVING and stays so. Unlike grpc_health's sync servicer,
+    `set` never waits for a Watch stream's send (it only wakes the stream's
+    thread), so the event loop can call it; each Watch stream holds a thread
+    of a pool of its own, and at most MAX_WATCHES are open, so watchers never
+    hold up a Check.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._status: dict[str, int] = {"": SERVING}
+        self._shutting_down = False
+        self._watching = 0
+        self.watch_pool = concurrent.futures.ThreadPoolExecutor(MAX_WATCHES + 2, thread_name_prefix="commctx-health-watch")
+
+        def watch(request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Iterator[health_pb2.HealthCheckResponse]:
+            return self._watch(request, context)
+
+        watch.experimental_thread_pool = self.watch_pool  # read by grpc's sync server: Watch runs on this pool
+        self.Watch = watch
+
+    def set(self, service: str, status: int) -> None:
+        with self._changed:
+            if self._shutting_down:
+                return
+            self._status[service] = status
+            self._changed.notify_all()
+
+    def enter_graceful_shutdown(self) -> None:
+        with self._changed:
+            if self._shutting_down:
+                return
+            self._shutting_down = True
+            for service in self._status:
+                self._status[service] = NOT_SERVING
+            self._changed.notify_all()
+
+    def status(self, service: str) -> int | None:
+        with self._changed:
+            return self._status.get(service)
+
+    def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
+        status = self.status(request.service)
+        if status is None:
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=status)
+
+    def _watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Iterator[health_pb2.HealthCheckResponse]:
+        with self._changed:
+            if self._watching >= MAX_WATCHES:
+                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                context.set_details(f"this port holds at most {MAX_WATCHES} Watch streams; use Check")
+                return
+            self._watching += 1
+        context.add_callback(self._wake)  # the call ended: its thread stops waiting
+        try:
+            last = None
+            while True:
+                with self._changed:
+                    while context.is_active() and self._status.get(request.service, SERVICE_UNKNOWN) == last:
+                        self._changed.wait()
+                    if not context.is_active():
+                        return
+                    last = self._status.get(request.service, SERVICE_UNKNOWN)
+                yield health_pb2.HealthCheckResponse(status=last)
+        finally:
+            with self._changed:
+                self._watching -= 1
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+
+class HealthPort:
+    """grpc.health.v1 alone on a port of its own, served by a sync gRPC server
+    (its completion queue's thread, a pool for Check, the servicer's pool for
+    Watch). Starts and stops as a grpc.aio server does, from the event loop."""
+
+    def __init__(self, servicer: ThreadedHealthServicer) -> None:
+        self._servicer = servicer
+        self._pool = concurrent.futures.ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="commctx-health")
+        self._server = grpc.server(self._pool, options=[("grpc.so_reuseport", 0)])  # a busy port fails, not shared
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, self._server)
+
+    def add_insecure_port(self, address: str) -> int:
+        """Raises: RuntimeError, when the address cannot be bound."""
+        return self._server.add_insecure_port(address)
+
+    async def start(self) -> None:
+        self._server.start()
+
+    async def stop(self, grace: float | None) -> None:
+        """New calls are refused at once; calls in flight get `grace` seconds (Watch streams end then)."""
+        stopped = self._server.stop(grace)
+        await asyncio.to_thread(stopped.wait)
+        self._pool.shutdown(wait=False)
+        self._servicer.watch_pool.shutdown(wait=False)
+
+
+class Health:
+    """The server's health statuses, as both ports answer them: `aio` is the
+    main port's servicer (on the event loop); `port()` makes the health-only
+    port, whose servicer is set first, from the loop thread, on every change."""
+
+    def __init__(self) -> None:
+        self.aio = health.aio.HealthServicer()
+        self.threaded = ThreadedHealthServicer()
+
+    def port(self) -> HealthPort:
+        return HealthPort(self.threaded)
+
+    async def set(self, service: str, status: int) -> None:
+        self.threaded.set(service, status)
+        await self.aio.set(service, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        self.threaded.enter_graceful_shutdown()
+        await self.aio.enter_graceful_shutdown()
