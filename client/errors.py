@@ -66,6 +66,11 @@ class JobConflict(RendezvousError):
     rank, address family) or the job cannot form."""
 
 
+class JobClosed(JobConflict):
+    """FAILED_PRECONDITION: the job was closed (a launcher shut the run down, as
+    torchrun's rendezvous shutdown does); it takes no more joins."""
+
+
 class StaleGeneration(JobConflict):
     """FAILED_PRECONDITION: the caller holds a generation that is no longer current."""
 

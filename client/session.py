@@ -68,6 +68,7 @@ class WorldChange:
     generation: int  # the generation being replaced
     reason: str
     final: bool = False
+    closed: bool = False  # final: the job was closed (a launcher shut the run down)
 
 
 def backoff(attempt: int, max_s: float = BACKOFF_MAX_S) -> float:
@@ -281,7 +282,7 @@ class Session:
                 # A job whose members are leaving (it finished) is no trouble: INFO, not WARNING.
                 log.log(logging.INFO if event.job_ended else logging.WARNING,
                         "membership of %s in job %r is over: %s", self.member_id, self._job_id, event.gone)
-                self._changed(WorldChange(self._generation, event.gone, final=True))  # first: waiters wake to it
+                self._changed(WorldChange(self._generation, event.gone, final=True, closed=event.job_closed))  # first: waiters wake
             with self._lock:
                 self.lease_error = MemberNotFound("NOT_FOUND", event.gone)
                 self._lock.notify_all()
@@ -344,6 +345,18 @@ class Session:
             self._restart = self._generation
         self._wake.put(True)
 
+    def describe(self, timeout_s: float) -> pb.JobDescription:
+        """The job as DescribeJob says (its first node only), from the leader.
+
+        Raises:
+            RendezvousError: the server refused it, or could not be reached.
+        """
+        try:
+            return self._endpoints.call("DescribeJob", pb.DescribeJobRequest(
+                job_id=self._job_id, job_secret=self._job_secret, node_page_size=1), timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
     def current_world(self, request: pb.JoinRequest, timeout_s: float) -> pb.JoinResponse:
         """The answer to `request` (the one `join` sent, which names this
         membership) for the world this member sits in now: a Join re-attaching to
@@ -379,8 +392,10 @@ class Session:
 
     # -- closing -------------------------------------------------------------------
 
-    def close(self, *, leave: bool = True, leave_timeout_s: float = 1.0) -> None:
-        """Stops the session, leaves the job (best effort), closes the channel. Idempotent."""
+    def close(self, *, leave: bool = True, leave_timeout_s: float = 1.0, close_job: bool = False) -> None:
+        """Stops the session, leaves the job (best effort), closes the channel. Idempotent.
+
+        `close_job` also closes the job for every member (torchrun's shutdown of the run)."""
         if self._closed:
             return
         self._closed = True
@@ -392,7 +407,7 @@ class Session:
             try:  # to the leader, following a hint if the leader moved
                 LeaderStub(self._endpoints).Leave(
                     pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret,
-                                    job_secret=self._job_secret),
+                                    job_secret=self._job_secret, close=close_job),
                     timeout=leave_timeout_s)
             except grpc.RpcError as exc:
                 log.debug("leave failed: %s", error_from_rpc(exc))

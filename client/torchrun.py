@@ -1,13 +1,21 @@
 """torchrun's rendezvous on commctx: `torchrun --rdzv-backend=commctx`.
 
-torch finds this handler through the `torchrun.handlers` entry point. Each
-torchrun agent joins the job as one *node membership*: a single Join carries
-the node's workers (--nproc-per-node), and the server seats them as local
-ranks 0..n-1 of that node, so ranks come out exactly as torchrun computes them
-(global rank = workers of lower node ranks + local rank). The agent's lease is
-renewed on one session stream; on it the server pushes the next world when a
-node dies, leaves or arrives, and `num_nodes_waiting` turns positive so that
-the agent restarts its workers into it. No polling of the server.
+torch finds this handler through the `torchrun.handlers` entry point. The job
+is a *job of nodes*, as c10d's rendezvous is: it forms from --nnodes=MIN:MAX
+agents, each of its own size. Each torchrun agent joins as one node
+membership: a single Join carries the node's workers (its --nproc-per-node,
+read from the agent's own WorkerSpec, so nodes may differ), and the server
+seats them as local ranks 0..n-1 of that node, so ranks come out exactly as
+torchrun computes them (global rank = workers of lower node ranks + local
+rank). An agent is a node: two agents on one host are two nodes (the default
+node key is the host name and the agent's pid). The agent's lease is renewed
+on one session stream; on it the server pushes the next world when a node
+dies, leaves or arrives, and `num_nodes_waiting` turns positive so that the
+agent restarts its workers into it. No polling of the server. A node that
+arrives at a job at its maximum waits as a standby (c10d's redundancy list)
+and is seated when the world re-forms: a node lost, or the agents restarting.
+`shutdown()` closes the run for every node: `is_closed()` turns true on the
+others, and later joins are refused (RendezvousClosedError).
 
 The store torchrun's agents and workers share is a TCPStore that node rank 0
 serves on its pre-bound spare port (the master port the server handed out),
@@ -18,25 +26,29 @@ Inside a worker, `CommContext.join()` needs no arguments: the handler writes
 each generation's assignments to a file (COMMCTX_TORCHRUN_WORLD) and the
 worker takes its own (launched.py), without a second wait on the server.
 
-Configuration (`--rdzv-conf key=value,...`):
+Configuration (`--rdzv-conf key=value,...`), under torch's names and with
+torch's defaults:
     join_timeout       seconds to wait for the world (default 600)
+    last_call_timeout  seconds an elastic job waits for more nodes once
+                       --nnodes' minimum is present (default 30)
+    close_timeout      seconds shutdown() waits for the server to close the run
+                       (default 30)
     progress_interval  while waiting, say every this many seconds how many nodes
                        are there and who is missing (default COMMCTX_PROGRESS_S,
                        else 10; 0: silent)
-    last_call_timeout  seconds an elastic job waits for more nodes once
-                       --nnodes' minimum is present (default 1)
-    spec               a JSON file of the job's JobSpec (layout, roles, groups);
-                       its world_size, if any, must be --nnodes' maximum x nproc
-    node_key           this node's key (default: the host name)
+    spec               a JSON file of the job's JobSpec (layout, groups); the
+                       sizes are --nnodes', so it gives no world_size, elastic
+                       or role counts
+    node_key           this node's key (default: host name and agent pid)
     role               the role of this node's workers
-    nproc_per_node     only when the handler is used without the torchrun CLI
+    nproc_per_node     this node's workers, when the agent's WorkerSpec cannot
+                       be read (a handler used without torch's agent)
 Accepted and ignored: the keys torch's launcher puts there itself (`timeout`,
 from --rdzv-timeout or its default 900; `rank`, with --rdzv-backend=static
 only) and those of torch's own c10d backend, so that a command line moved from
-c10d runs unchanged: read_timeout, close_timeout, keep_alive_interval,
-keep_alive_max_attempt, heartbeat (commctx's lease and session stand for
-them), is_host, store_type, use_libuv (node rank 0's agent always serves the
-store, a TCPStore). Any other key is a RendezvousError when the handler is
+c10d runs unchanged: read_timeout, keep_alive_interval, keep_alive_max_attempt,
+heartbeat (commctx's lease and session stand for them), is_host, store_type,
+use_libuv (node rank 0's agent always serves the store, a TCPStore). Any other key is a RendezvousError when the handler is
 created, naming the key and the closest known one (`join_timout` -> "did you
 mean join_timeout?"): a misspelt key is never silently ignored.
 Environment: COMMCTX_TOKEN, COMMCTX_JOB_SECRET, COMMCTX_TLS_* as for workers.
@@ -66,6 +78,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
@@ -83,7 +96,15 @@ from torch.distributed.elastic.rendezvous.api import (
 from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch, errors
-from .errors import CommContextError, InvalidArgument, InvalidRequest, MemberNotFound, RendezvousTimeout, ServerUnavailable
+from .errors import (
+    CommContextError,
+    InvalidArgument,
+    InvalidRequest,
+    JobClosed,
+    MemberNotFound,
+    RendezvousTimeout,
+    ServerUnavailable,
+)
 from .launched import WORLD_ENV
 from .lifecycle import LauncherEnv, advertised_address, job_spec_of, listen_on, progress_seconds
 from .progress import describe_wait, say
@@ -100,10 +121,11 @@ def create_handler(params: RendezvousParameters) -> CommctxRendezvousHandler:
 
 
 # --rdzv-conf keys commctx reads (see the module docstring).
-CONF_KEYS = ("join_timeout", "last_call_timeout", "spec", "node_key", "role", "nproc_per_node", "progress_interval")
+CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "spec", "node_key", "role", "nproc_per_node",
+             "progress_interval")
 # Keys accepted and ignored: torch's launcher's own, and those of torch's c10d backend.
 TORCH_CONF_KEYS = ("timeout", "rank")
-IGNORED_CONF_KEYS = (*TORCH_CONF_KEYS, "read_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+IGNORED_CONF_KEYS = (*TORCH_CONF_KEYS, "read_timeout", "keep_alive_interval", "keep_alive_max_attempt",
                      "heartbeat", "is_host", "store_type", "use_libuv")
 
 
@@ -122,20 +144,16 @@ def check_conf(params: RendezvousParameters) -> None:
                               f"{', '.join(CONF_KEYS)}; it ignores {', '.join(IGNORED_CONF_KEYS)})")
 
 
-def local_world_size(params: RendezvousParameters, argv: list[str] | None = None) -> int:
-    """--nproc-per-node, which torch does not pass to rendezvous handlers: from
-    `nproc_per_node` in --rdzv-conf, else from the torchrun command line."""
+def local_world_size(params: RendezvousParameters) -> int | None:
+    """`nproc_per_node` from --rdzv-conf, or None when it is not there (then the
+    agent's own WorkerSpec tells, at the first rendezvous: agent_local_world_size).
+
+    Raises:
+        RendezvousError: it is there but not a positive integer.
+    """
     value = params.get("nproc_per_node")
     if value is None:
-        from torch.distributed.run import determine_local_world_size, get_args_parser
-
-        argv = sys.argv[1:] if argv is None else argv
-        args, _ = get_args_parser().parse_known_args(argv)
-        value = args.nproc_per_node
-        try:
-            return determine_local_world_size(str(value))
-        except ValueError as exc:
-            raise RendezvousError(f"commctx: cannot tell --nproc-per-node from {value!r}: {exc}") from None
+        return None
     try:
         n = int(value)
     except ValueError:
@@ -143,6 +161,25 @@ def local_world_size(params: RendezvousParameters, argv: list[str] | None = None
     if n < 1:
         raise RendezvousError(f"commctx: nproc_per_node {value!r} is not a positive integer")
     return n
+
+
+def agent_local_world_size() -> int | None:
+    """The local world size of the torch elastic agent asking for a rendezvous:
+    torch passes its handlers no worker count, but every launcher (the torchrun
+    CLI, elastic_launch, run.main) runs a SimpleElasticAgent, whose
+    `_rendezvous(worker_group)` calls next_rendezvous with the WorkerSpec in
+    hand. Read from that caller's frame; None when no agent is calling."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        spec = frame.f_locals.get("spec")
+        if isinstance(spec, WorkerSpec):
+            return spec.local_world_size
+        frame = frame.f_back
+    return None
 
 
 def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
@@ -166,9 +203,10 @@ class CommctxRendezvousHandler(RendezvousHandler):
             raise RendezvousError("commctx: give the rendezvous server as --rdzv-endpoint=HOST:PORT")
         self._server = params.endpoint
         self._run_id = params.run_id
-        self._nproc = local_world_size(params)
+        self._nproc = local_world_size(params)  # None: the agent's WorkerSpec says, at the first rendezvous
         self._min_nodes, self._max_nodes = params.min_nodes, params.max_nodes
         self._join_timeout = _seconds(params, "join_timeout", 600)
+        self._close_timeout = _seconds(params, "close_timeout", 30)
         launcher = LauncherEnv.from_env(env)
         try:
             self._progress_s = progress_seconds(
@@ -180,8 +218,8 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._token = launcher.token
         spec = self._spec(params)
         self._request = pb.JoinRequest(
-            job_id=self._run_id, spec=spec, node_key=params.get("node_key") or socket.gethostname(),
-            role=params.get("role") or "", workers=self._nproc, job_secret=launcher.job_secret or "",
+            job_id=self._run_id, spec=spec, node_key=params.get("node_key") or f"{socket.gethostname()}-{os.getpid()}",
+            role=params.get("role") or "", workers=self._nproc or 0, job_secret=launcher.job_secret or "",
         )
         self._timeout = datetime.timedelta(seconds=self._join_timeout)
         # Connected now, as torchrun's own c10d handler connects its store when it
@@ -197,10 +235,10 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self.world_file = ""  # this generation's assignments, for the workers (COMMCTX_TORCHRUN_WORLD)
 
     def _spec(self, params: RendezvousParameters) -> pb.JobSpec:
-        world = self._max_nodes * self._nproc
+        """A job of nodes, --nnodes=MIN:MAX, with the layout and groups of --rdzv-conf spec=FILE."""
         raw: dict = {}
-        if params.get("spec"):
-            path = params.get("spec")
+        path = params.get("spec")
+        if path:
             try:
                 with open(path, encoding="utf-8") as f:
                     raw = json.load(f)
@@ -208,13 +246,16 @@ class CommctxRendezvousHandler(RendezvousHandler):
                 raise RendezvousError(f"commctx: cannot read the spec {path}: {exc}") from None
             if not isinstance(raw, dict):
                 raise RendezvousError(f"commctx: the spec {path} is not a JSON object (a JobSpec)")
-        if self._min_nodes < self._max_nodes:
-            last_call = _seconds(params, "last_call_timeout", 1)
-            raw.setdefault("elastic", {"min_size": self._min_nodes * self._nproc, "last_call_ms": round(last_call * 1000)})
+            for key in ("world_size", "elastic", "nodes", "roles"):
+                if key in raw:
+                    raise RendezvousError(f"commctx: the spec {path} gives {key}, but under torchrun the job's size is "
+                                          f"--nnodes, in nodes of any size; leave {key} out (a node's role: --rdzv-conf role=)")
+        last_call = _seconds(params, "last_call_timeout", 30)
+        raw["nodes"] = {"min": self._min_nodes, "max": self._max_nodes, "last_call_ms": round(last_call * 1000)}
         try:
-            return job_spec_of(raw, world)
+            return job_spec_of(raw, 0)
         except InvalidRequest as exc:  # naming the bad key or value
-            raise RendezvousError(f"commctx: {exc.details} (--nnodes max {self._max_nodes} x --nproc-per-node {self._nproc})") from None
+            raise RendezvousError(f"commctx: {exc.details}") from None
 
     # -- RendezvousHandler -----------------------------------------------------------
 
@@ -233,6 +274,8 @@ class CommctxRendezvousHandler(RendezvousHandler):
         pushed, or, after a worker failure, a re-form of the current one."""
         if self._closed:
             raise RendezvousClosedError(f"commctx: the rendezvous of job {self._run_id!r} is closed")
+        if not self._joined:
+            self._request.workers = self._workers()
         try:
             if not self._joined:
                 assignments = self._join()
@@ -243,7 +286,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
                     session.request_restart()  # a worker failed: everyone restarts into a fresh world
                 session.next_assignment(self._join_timeout)
                 assignments = session.current_world(self._request, self._join_timeout).worker_assignments
-        except MemberNotFound as exc:
+        except (MemberNotFound, JobClosed) as exc:  # the job cannot go on, or was closed: the run is over for this node
             self._closed = True
             raise RendezvousClosedError(f"commctx: job {self._run_id!r} cannot go on: {exc.details}") from None
         except RendezvousTimeout as exc:
@@ -253,6 +296,19 @@ class CommctxRendezvousHandler(RendezvousHandler):
         except (CommContextError, errors.RendezvousError) as exc:  # e.g. a conflicting spec, a sealed job
             raise RendezvousError(f"commctx: {exc}") from None
         return self._enter(assignments)
+
+    def _workers(self) -> int:
+        """This node's workers: the agent's own WorkerSpec's, else --rdzv-conf nproc_per_node.
+
+        Raises:
+            RendezvousError: neither tells (a handler used without torch's agent).
+        """
+        n = agent_local_world_size() or self._nproc
+        if n is None:
+            raise RendezvousError("commctx: cannot tell how many workers this node runs: no torch elastic agent asked "
+                                  "for this rendezvous; give --rdzv-conf nproc_per_node=N")
+        self._nproc = n
+        return n
 
     def _join(self) -> Sequence[pb.Assignment]:
         address = advertised_address(self._server, self._local_addr)
@@ -267,10 +323,30 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._spare = listen_on(address)
         self._request.address = address
         self._request.master_port = self._spare.getsockname()[1]
-        self._session.join(self._request, self._join_timeout, self._progress_s,  # one Join: every worker's assignment
-                           lambda job, d: describe_wait(job, d, nodes_wanted=(self._min_nodes, self._max_nodes)))
+        deadline = time.monotonic() + self._join_timeout
+        while True:
+            try:  # one Join: it answers with every worker's assignment
+                self._session.join(self._request, max(1.0, deadline - time.monotonic()), self._progress_s,
+                                   lambda job, d: describe_wait(job, d, nodes_wanted=(self._min_nodes, self._max_nodes)))
+                break
+            except RendezvousTimeout:
+                if not self._standby():  # a standby waits on, as c10d's redundant nodes do; else it is a timeout
+                    raise
+                deadline = time.monotonic() + self._join_timeout
         self._joined = True
         return self._session.worker_assignments
+
+    def _standby(self) -> bool:
+        """Whether this node waits as a standby: the job runs a world at its maximum of nodes."""
+        try:
+            d = self._session.describe(self._join_timeout)
+        except errors.RendezvousError:
+            return False
+        if d.state == pb.JobDescription.FORMED:  # below its maximum this node would have grown the world, not waited
+            say("job %s runs %d nodes, its maximum: this node waits as a standby for the next world", self._run_id,
+                self._max_nodes)
+            return True
+        return False
 
     def _enter(self, assignments: Sequence[pb.Assignment]) -> RendezvousInfo:
         """Serves (node rank 0) or opens this generation's store, and writes the workers' assignments."""
@@ -304,15 +380,16 @@ class CommctxRendezvousHandler(RendezvousHandler):
                               RendezvousStoreInfo(first.master_addr, first.master_port))
 
     def is_closed(self) -> bool:
+        """True once the run was closed (a node's shutdown), or cannot go on for this node."""
         if self._closed:
             return True
         change = self._session.world_change
         return change is not None and change.final
 
     def set_closed(self) -> None:
-        """Leaves the job: the other nodes' world re-forms without this one, or ends."""
+        """Closes the run for every node (torch's API): they see is_closed(), later joins are refused."""
         self._closed = True
-        self._session.close(leave=True)
+        self._session.close(leave=True, close_job=True, leave_timeout_s=self._close_timeout)
 
     def num_nodes_waiting(self) -> int:
         """Positive when the server pushed a change of this world: the agent then
@@ -321,8 +398,10 @@ class CommctxRendezvousHandler(RendezvousHandler):
         return 1 if change is not None and not change.final and change.generation >= self._generation else 0
 
     def shutdown(self) -> bool:
+        """Closes the run for every node, as torch's launcher expects when an agent
+        finishes (c10d does the same), and releases what this agent holds."""
         self._closed = True
-        self._session.close(leave=True)
+        self._session.close(leave=True, close_job=True, leave_timeout_s=self._close_timeout)
         if self._spare is not None:
             self._spare.close()
             self._spare = None

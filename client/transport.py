@@ -55,6 +55,7 @@ _BY_REASON: dict[str, type[errors.RendezvousError]] = {
     pb.ErrorReason.Name(pb.INVALID_REQUEST): errors.InvalidRequest,
     pb.ErrorReason.Name(pb.JOB_CONFLICT): errors.JobConflict,
     pb.ErrorReason.Name(pb.STALE_GENERATION): errors.StaleGeneration,
+    pb.ErrorReason.Name(pb.JOB_CLOSED): errors.JobClosed,
     pb.ErrorReason.Name(pb.RANK_TAKEN): errors.RankTaken,
     pb.ErrorReason.Name(pb.JOB_FULL): errors.JobFull,
     pb.ErrorReason.Name(pb.MEMBER_NOT_FOUND): errors.MemberNotFound,

@@ -18,6 +18,10 @@ class Conflict(RendezvousError):
     rank, the address family of its members), or the job cannot form."""
 
 
+class Closed(Conflict):
+    """The job was closed (a launcher shut the run down): it takes no more joins."""
+
+
 class StaleGeneration(RendezvousError):
     """The caller names a generation other than the job's current one."""
 

@@ -836,7 +836,9 @@ async def test_fuzzed_requests_get_deliberate_answers_and_leave_a_healthy_job_un
             assert not tally.failures, tally.report()
             total = sum(tally.calls.values())
             assert total >= 10_000, tally.summary()
-            assert tally.client_races <= tally.calls["Session"] * 0.01, tally.summary()  # rare, or the fuzz goes blind
+            # Rare, or the fuzz goes blind. Streams the server ends at once on a bad field (a spare port out of
+            # range, an older generation) make the fuzzer's further writes on them race that end: a few percent.
+            assert tally.client_races <= tally.calls["Session"] * 0.06, tally.summary()
             for rpc in REQUEST_TYPES:  # every RPC its fair share, raw bytes among them
                 assert tally.calls[rpc] >= total * 0.05, f"{rpc}: {tally.summary()}"
                 assert tally.raw[rpc] >= tally.calls[rpc] * 0.1, f"{rpc}: {tally.summary()}"

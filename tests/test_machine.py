@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from commctx.server.errors import AlreadyExists, Conflict, InvalidArgument, JobFull, NotFound, StaleGeneration
+from commctx.server.errors import AlreadyExists, Closed, Conflict, InvalidArgument, JobFull, NotFound, StaleGeneration
 from commctx.server.planning import JobSpec, PlanError, plan_world
 from commctx.server.rendezvous.machine import Actions, Rendezvous
 from commctx.server.rendezvous.model import (
@@ -1079,3 +1079,92 @@ def test_the_history_keeps_its_last_events_and_survives_a_restart(clock):
     restored.restore(store.load(), grace_s=TTL)
     assert restored.events("job") == rdzv.events("job")
     assert len(store.load()[0].events) <= 5 + 64  # the store forgets the dropped ones now and then
+
+
+# -- jobs of nodes (torchrun): nodes of any size, standbys, closing the run --------------------
+
+
+def node_params(spec: JobSpec, node: str, workers: int, **kw) -> JoinParams:
+    return JoinParams.build(job_id="run", spec=spec, node_key=node, address="10.0.0.1", port=30000 + len(node) + workers,
+                            workers=workers, **kw)
+
+
+def node_spec(low: int, high: int, last_call_ms: int = 30_000) -> JobSpec:
+    return JobSpec.from_json({"nodes": {"min": low, "max": high, "last_call_ms": last_call_ms}})
+
+
+def test_a_job_of_nodes_of_different_sizes_forms_with_torchruns_ranks(rdzv):
+    spec = node_spec(2, 2)
+    a, _ = join(rdzv, node_params(spec, "a", 1))
+    assert "1 of 2 nodes (1 workers)" in rdzv.describe("run").reason
+    b, actions = join(rdzv, node_params(spec, "b", 2))
+    (world,) = worlds(actions)
+    assert (world.plan.world_size, world.plan.num_nodes) == (3, 2)
+    seats = {w: (p.rank, p.node_rank, p.local_rank) for w in (a, b, f"{b}/1") for p in [world.plan.placement(w)]}
+    assert seats == {a: (0, 0, 0), b: (1, 1, 0), f"{b}/1": (2, 1, 1)}  # a node's ranks: its base + its local rank
+
+
+def test_a_node_beyond_the_maximum_waits_as_a_standby_and_replaces_a_lost_node(rdzv, clock):
+    spec = node_spec(2, 2)
+    a, _ = join(rdzv, node_params(spec, "a", 2))
+    b, _ = join(rdzv, node_params(spec, "b", 2))
+    sinks = sessions(rdzv, [a, b], job="run")
+    c, actions = join(rdzv, node_params(spec, "c", 2))  # at the maximum: a standby, not refused, nothing announced
+    assert not actions.pushes and rdzv.describe("run").generation == 1 and rdzv.describe("run").joined == 6
+    clock.now += TTL / 2
+    rdzv.renew("run", a, 1)
+    rdzv.close_session("run", b, sinks[b], departed=True)  # b's agent is killed
+    clock.now += 1.0
+    actions, _ = rdzv.expire_due()
+    (world,) = worlds(actions)  # the survivor and the standby: the world stays whole, it does not fail
+    assert world.generation == 2 and sorted(n.node_key for n in world.plan.nodes) == ["a", "c"]
+    d, _ = join(rdzv, node_params(spec, "d", 1))
+    e, _ = join(rdzv, node_params(spec, "e", 1))
+    with pytest.raises(JobFull, match="all 2 nodes and as many standbys"):
+        rdzv.join(node_params(spec, "f", 1))
+
+
+def test_an_elastic_job_of_nodes_forms_at_its_minimum_after_the_last_call_and_grows(rdzv, clock):
+    spec = node_spec(1, 3, last_call_ms=30_000)
+    a, _ = join(rdzv, node_params(spec, "a", 1))
+    clock.now += 29
+    assert not rdzv.expire_due()[0].wakes
+    clock.now += 1.0
+    (world,) = worlds(rdzv.expire_due()[0])
+    assert world.plan.world_size == 1
+    sink = sessions(rdzv, [a], job="run")[a]
+    _, actions = join(rdzv, node_params(spec, "b", 4))  # below the maximum: it grows the world
+    assert [type(e).__name__ for e in pushed(actions, sink)] == ["WorldChange"]
+    for _ in range(10):  # a keeps renewing through the last call
+        clock.now += 3
+        rdzv.renew("run", a, 1)
+    world = worlds(rdzv.expire_due()[0])[0]
+    assert (world.plan.world_size, world.generation) == (5, 2)
+
+
+def test_closing_a_job_tells_everyone_and_refuses_later_joins_while_it_is_kept(clock):
+    store = MemoryStore()
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=clock)
+    spec = node_spec(2, 2)
+    a, _ = join(rdzv, node_params(spec, "a", 1))
+    b, _ = join(rdzv, node_params(spec, "b", 1))
+    sinks = sessions(rdzv, [a, b], job="run")
+    waiting_standby, _ = join(rdzv, node_params(spec, "c", 1))
+    actions = rdzv.leave("run", a, close=True)  # a's launcher shuts the run down
+    (gone,) = pushed(actions, sinks[b])
+    assert isinstance(gone, Gone) and gone.closed and gone.ended and "node 'a' closed it" in gone.reason
+    (stopped,) = [o for _, o in actions.wakes if isinstance(o, JobStopped)]
+    assert stopped.closed  # the standby's wait ends: closed
+    assert rdzv.describe("run").state is JobState.CLOSED
+    with pytest.raises(Closed, match="was closed"):
+        rdzv.join(node_params(spec, "d", 1))
+    store.commit([*actions.writes, *rdzv.leave("run", b).writes, *rdzv.withdraw("run", waiting_standby).writes], store.take_over())
+    with pytest.raises(Closed, match="it takes no more joins for 300 s"):  # kept a while after its last member left
+        rdzv.join(node_params(spec, "d", 1))
+    again = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=clock)
+    again.restore(store.load(), grace_s=TTL)  # and across a restart
+    with pytest.raises(Closed):
+        again.join(node_params(spec, "d", 1))
+    clock.now += rdzv.limits.retain_ended_s
+    rdzv.expire_due()
+    join(rdzv, node_params(spec, "d", 1))  # forgotten: the id is free again

@@ -379,17 +379,19 @@ def test_a_misspelt_rdzv_conf_key_is_an_error_naming_the_closest_key(key, sugges
         commctx_handler(**{key: "15"})
     message = str(raised.value)
     assert message.startswith(f"commctx: unknown --rdzv-conf key {key!r}: did you mean {suggested}? (commctx reads "
-                              f"join_timeout, last_call_timeout, spec, node_key, role, nproc_per_node, progress_interval; it ignores "), message
+                              f"join_timeout, last_call_timeout, close_timeout, spec, node_key, role, nproc_per_node, "
+                              f"progress_interval; it ignores "), message
     assert "\n" not in message
     with pytest.raises(RendezvousError, match=r"unknown --rdzv-conf key 'colour' \(commctx reads"):
         commctx_handler(colour="blue")  # nothing close: no suggestion
 
 
 def test_torch_s_own_and_c10d_s_rdzv_conf_keys_are_accepted():
-    from commctx.torchrun import IGNORED_CONF_KEYS
+    from commctx.torchrun import CONF_KEYS, IGNORED_CONF_KEYS
 
-    assert {"timeout", "rank", "is_host", "store_type", "use_libuv", "read_timeout", "close_timeout",
+    assert {"timeout", "rank", "is_host", "store_type", "use_libuv", "read_timeout",
             "keep_alive_interval", "keep_alive_max_attempt", "heartbeat"} <= set(IGNORED_CONF_KEYS)
+    assert {"join_timeout", "last_call_timeout", "close_timeout"} <= set(CONF_KEYS)  # read, under torch's names
     handler = commctx_handler(**{key: "1" for key in IGNORED_CONF_KEYS}, join_timeout=5, role="trainer")
     handler.shutdown()
 

@@ -185,6 +185,10 @@ class JobSpec:
     expected_nodes: tuple[str, ...] = ()  # informational, for describing who is missing
     min_size: int | None = None  # elastic: the world forms with min_size..world_size workers
     last_call_s: float = DEFAULT_LAST_CALL_S  # elastic: how long to wait for more once min_size are there
+    # A job of launcher nodes (torchrun's --nnodes=MIN:MAX): world_size and
+    # min_size then count node memberships, each a node of its own size, and
+    # the world's size in workers is the sum of the nodes seated.
+    nodes: bool = False
 
     @classmethod
     def build(
@@ -198,11 +202,13 @@ class JobSpec:
         expected_nodes: Iterable[str] = (),
         min_size: int | None = None,
         last_call_s: float | None = None,
+        nodes: bool = False,
     ) -> JobSpec:
         """Validates a spec (linear in its size).
 
         Args:
-            world_size: the world's size; with `min_size`, its maximum.
+            world_size: the world's size; with `min_size`, its maximum (with
+                `nodes`: counted in nodes).
             layout: see `Layout.build`.
             roles: (role, count) pairs; the counts add up to world_size.
             rules: group rules, in the order their groups are created.
@@ -210,6 +216,9 @@ class JobSpec:
             expected_nodes: node keys the job expects (for describing who is missing).
             min_size: elastic: the smallest world that may form.
             last_call_s: elastic: how long to wait for more once min_size are there.
+            nodes: sizes count node memberships (torchrun's agents), not workers:
+                the world's workers are those of its nodes; role counts cannot be
+                declared, and a layout is checked against the world that forms.
 
         Raises:
             InvalidArgument: a malformed field, named.
@@ -219,8 +228,13 @@ class JobSpec:
             raise InvalidArgument(f"spec.world_size {elide(world_size)} is out of range 1..{MAX_WORLD_SIZE}")
         roles, rules = tuple(roles), tuple(rules)
         cpu_twins, expected_nodes = tuple(cpu_twins), tuple(expected_nodes)
-        if layout is None and not (roles or rules or cpu_twins or expected_nodes) and min_size is None:
+        if layout is None and not (roles or rules or cpu_twins or expected_nodes) and min_size is None and not nodes:
             return cls(world_size)  # the common case, kept cheap
+        if nodes and roles:
+            raise InvalidArgument("role counts need a world size in workers, and a job of nodes has none until it "
+                                  "forms: give each node's role instead (torchrun: --rdzv-conf role=...)")
+        if nodes and min_size == world_size:
+            min_size = None  # a fixed number of nodes
         if min_size is not None:
             if not 1 <= min_size <= world_size:
                 raise InvalidArgument(f"elastic.min_size {min_size} is out of range 1..{world_size} (world_size is the maximum)")
@@ -231,7 +245,10 @@ class JobSpec:
         for key in expected_nodes:
             if not isinstance(key, str) or not NODE_KEY.fullmatch(key):
                 raise InvalidArgument(f"expected_nodes entry {elide(key)} is not a valid node key")
-        built_layout = Layout.build(world_size, layout, min_size) if layout is not None else None
+        if layout is not None and nodes:  # its sizes are checked against the world that forms: dp is derived
+            built_layout = Layout.build(MAX_WORLD_SIZE, layout, 1)
+        else:
+            built_layout = Layout.build(world_size, layout, min_size) if layout is not None else None
         built_roles = _roles(world_size, roles)
         declared = {r for r, _ in built_roles}
         smallest = min_size or world_size
@@ -247,7 +264,7 @@ class JobSpec:
         return cls(
             world_size, built_layout, built_roles, built_rules, tuple(dict.fromkeys(cpu_twins)),
             tuple(dict.fromkeys(expected_nodes)), min_size,
-            DEFAULT_LAST_CALL_S if last_call_s is None else float(last_call_s),
+            DEFAULT_LAST_CALL_S if last_call_s is None else float(last_call_s), nodes,
         )
 
     @classmethod
@@ -268,6 +285,18 @@ class JobSpec:
         if elastic is not None:
             _keys("elastic", elastic, ("min_size", "last_call_ms"))
         last_call_ms = elastic.get("last_call_ms") if elastic is not None else None
+        nodes = form.get("nodes")
+        if nodes is not None:  # a job of nodes: its sizes are the nodes'
+            _keys("nodes", nodes, ("min", "max", "last_call_ms"))
+            if form.get("world_size") or elastic is not None:
+                raise InvalidArgument("a spec with nodes (a job of launcher nodes) gives neither world_size nor elastic: "
+                                      "its sizes are nodes.min and nodes.max")
+            top = _int("nodes.max", nodes.get("max", 0))
+            if not 1 <= top <= MAX_WORLD_SIZE:
+                raise InvalidArgument(f"nodes.max {top} is out of range 1..{MAX_WORLD_SIZE}")
+            elastic = {"min_size": _int("nodes.min", nodes.get("min", 0)) or top}
+            last_call_ms = nodes.get("last_call_ms")
+            form = {**form, "world_size": top}
         return cls.build(
             _int("world_size", form.get("world_size", 0)),
             layout=layout,
@@ -278,11 +307,13 @@ class JobSpec:
             expected_nodes=_list("expected_nodes", form.get("expected_nodes", ())),
             min_size=_int("elastic.min_size", elastic.get("min_size", 0)) if elastic is not None else None,
             last_call_s=None if last_call_ms is None else _int("elastic.last_call_ms", last_call_ms) / 1000,
+            nodes=nodes is not None,
         )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (`from_json` reads it back to an equal spec)."""
-        out: dict[str, Any] = {"world_size": self.world_size}
+        out: dict[str, Any] = {"world_size": self.world_size} if not self.nodes else {
+            "nodes": {"min": self.min_world, "max": self.world_size, "last_call_ms": round(self.last_call_s * 1000)}}
         if self.layout is not None:
             out["layout"] = {**self.layout.given(), "order": self.layout.order}
             if self.layout.within_node:
@@ -295,7 +326,7 @@ class JobSpec:
             out["cpu_twins"] = list(self.cpu_twins)
         if self.expected_nodes:
             out["expected_nodes"] = list(self.expected_nodes)
-        if self.min_size is not None:
+        if self.min_size is not None and not self.nodes:
             out["elastic"] = {"min_size": self.min_size, "last_call_ms": round(self.last_call_s * 1000)}
         return out
 
@@ -310,21 +341,22 @@ class JobSpec:
         return self.layout.step if self.layout is not None else 1
 
     def admissible(self, n: int) -> bool:
-        """Whether a world of n workers satisfies this spec."""
-        return self.min_world <= n <= self.world_size and n % self.step == 0
+        """Whether a world of n workers (of a job of nodes: n nodes) satisfies this spec."""
+        return self.min_world <= n <= self.world_size and (self.nodes or n % self.step == 0)
 
     def largest_world(self, n: int) -> int | None:
-        """The largest admissible world of at most n workers, or None."""
+        """The largest admissible world of at most n workers (nodes), or None."""
         k = min(n, self.world_size)
-        k -= k % self.step
+        if not self.nodes:  # a job of nodes meets the step in workers, when it forms
+            k -= k % self.step
         return k if k >= self.min_world and k > 0 else None
 
     def at_size(self, n: int) -> JobSpec:
-        """The fixed spec a world of n workers is planned with."""
-        if n == self.world_size and self.min_size is None:
+        """The fixed spec a world of n workers is planned with (a multiple of `step`)."""
+        if n == self.world_size and self.min_size is None and not self.nodes:
             return self
         layout = self.layout.at_size(n) if self.layout is not None else None
-        return dataclasses.replace(self, world_size=n, layout=layout, min_size=None)
+        return dataclasses.replace(self, world_size=n, layout=layout, min_size=None, nodes=False)
 
     def role_count(self, role: str) -> int | None:
         """The declared count of `role`, or None when roles are not declared."""
@@ -427,7 +459,7 @@ def _ranks_before(groups: list[tuple[int, ...]]) -> set[int]:
     return {r for g in groups for r in g}
 
 
-_SPEC_KEYS = ("world_size", "layout", "roles", "groups", "cpu_twins", "expected_nodes", "elastic")
+_SPEC_KEYS = ("world_size", "layout", "roles", "groups", "cpu_twins", "expected_nodes", "elastic", "nodes")
 _LAYOUT_KEYS = (*DIMS, "order", "within_node")
 _SCOPES = {"SCOPE_JOB": False, "SCOPE_NODE": True}
 

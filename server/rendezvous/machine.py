@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable
 
 from ..errors import (
     AlreadyExists,
+    Closed,
     Conflict,
     InvalidArgument,
     JobFull,
@@ -237,6 +238,10 @@ class Rendezvous:
                 raise
         else:
             self._check_room(p)
+        kept = self._failed.get(p.job_id) if job is None else None
+        if kept is not None and kept[0].state is JobState.CLOSED:
+            raise Closed(f"job {p.job_id!r} was closed: {kept[0].reason}; it takes no more joins for "
+                         f"{max(0.0, kept[1] - self._clock()):.0f} s (use another job id)")
         if job is None and len(self._jobs) >= self.limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
@@ -260,12 +265,11 @@ class Rendezvous:
         actions.notes.append(Note("join", {"job": job.job_id, "member": member_id, "node": member.node_key, "role": p.role,
                                            "joined": job.workers, "world_size": job.spec.world_size}))
         what = f"{p.workers} workers of node {p.node_key!r}" if p.workers > 1 else f"a worker of node {p.node_key!r}"
-        self._event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; "
-                                           f"{job.workers} of {job.spec.world_size} workers",
+        self._event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; {job.count()}",
                     actions, member=member_id, node=p.node_key, role=p.role, workers=p.workers)
         if job.state is JobState.FORMED:
             waiting = job.workers - job.placed
-            if job.workers == len(job.members) or self._grows(job):
+            if (job.workers == len(job.members) and not job.spec.nodes) or self._grows(job):
                 self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
         else:
             self._maybe_form(job, actions)
@@ -313,7 +317,7 @@ class Rendezvous:
             count = last.fields.get("workers", 1) + fields.get("workers", 1)
             first = last.fields.get("first", last.time)
             event = last._replace(time=now, message=f"{count} workers joined in {now - first:.1f} s (the last on node "
-                                                    f"{fields.get('node')!r}); {job.workers} of {job.spec.world_size} workers",
+                                                    f"{fields.get('node')!r}); {job.count()}",
                                   fields={**fields, "workers": count, "first": first})
             events[-1] = event  # a count that grew: the same seq, replaced
         else:
@@ -384,7 +388,7 @@ class Rendezvous:
             job.node_ranks[p.node_rank] = node.key
         if p.local_rank is not None:
             node.local_ranks[p.local_rank] = member_id
-        if p.workers > 1:
+        if p.workers > 1 or job.spec.nodes:  # a node membership: its node alone
             node.agent = member_id
         node.workers += p.workers
         node.roles[p.role] = node.roles.get(p.role, 0) + p.workers
@@ -429,11 +433,17 @@ class Rendezvous:
     def _check_admissible(self, job: Job, p: JoinParams) -> None:
         if job.spec != p.spec:
             raise Conflict(f"job {job.job_id!r} has {job.spec.difference(p.spec)}")
+        if job.state is JobState.CLOSED:
+            raise Closed(f"job {job.job_id!r} was closed: {job.reason}")
         if job.state is JobState.FAILED:
             raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
         if job.state is JobState.ENDED:
             raise Conflict(f"job {job.job_id!r} has ended ({job.reason}); use another job id or wait until its members have left")
-        if job.workers + p.workers > job.spec.world_size:
+        if job.spec.nodes:  # a job of nodes: beyond its maximum, as many again wait as standbys
+            if job.units >= 2 * job.spec.world_size:
+                raise JobFull(f"job {job.job_id!r} has all {job.spec.world_size} nodes and as many standbys; node "
+                              f"{p.node_key!r} cannot join it")
+        elif job.workers + p.workers > job.spec.world_size:
             if job.workers >= job.spec.world_size:
                 raise JobFull(
                     f"job {job.job_id!r} already has all {job.spec.world_size} workers "
@@ -526,6 +536,8 @@ class Rendezvous:
         spec = job.spec
         if job.state is not JobState.FORMING or job.suspects:
             return None
+        if spec.nodes:
+            return self._formable_nodes(job)
         n = job.workers
         if n >= spec.world_size:
             n = spec.world_size if spec.admissible(spec.world_size) else None
@@ -543,6 +555,23 @@ class Rendezvous:
                 return None  # they fit no admissible size: wait for others to come or go
         return n
 
+    def _formable_nodes(self, job: Job) -> int | None:
+        """_formable for a job of nodes: as many nodes as its maximum allows (the
+        survivors first, then in join order), or at least its minimum once the
+        last call has passed; in workers, a multiple of its layout's step."""
+        spec, n = job.spec, job.units
+        if n < spec.min_world:
+            return None
+        if n < spec.world_size and job.workers > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
+            return None  # the last call collects arrivals; survivors re-forming alone have nobody to wait for
+        sizes = [job.members[mid].workers for mid in self._member_order(job)][:spec.world_size]
+        while len(sizes) >= spec.min_world:
+            workers = sum(sizes)
+            if workers % spec.step == 0:
+                return workers
+            sizes.pop()
+        return None
+
     def _maybe_form(self, job: Job, actions: Actions) -> None:
         n = self._formable(job)
         if n is not None:
@@ -550,24 +579,37 @@ class Rendezvous:
 
     def _grows(self, job: Job) -> bool:
         """Whether the node memberships present fit a world larger than the formed one."""
+        if job.spec.nodes:
+            return job.plan.num_nodes < job.spec.world_size and job.units > job.plan.num_nodes
         size = job.spec.largest_world(min(job.workers, job.spec.world_size))
         return size is not None and len(self._candidates(job, size)) > job.placed
 
     @staticmethod
-    def _candidates(job: Job, n: int) -> list:
-        """The next world's workers: survivors first, in their previous rank
-        order (the seating's order), then newcomers in join order; whole
-        members, so at most `n`."""
-        previous = job.plan
-        members = job.members
+    def _seats(job: Job) -> dict[str, tuple[int, int]]:
+        """The (node rank, local rank) in the world being replaced of each member still here."""
+        previous, members = job.plan, job.members
         seats: dict[str, tuple[int, int]] = {}
         if previous is not None:
             for node_rank, node in enumerate(previous.seating.nodes):
                 for local_rank, mid in enumerate(node.members):
                     if mid in members:
                         seats[mid] = (node_rank, local_rank)
+        return seats
+
+    @classmethod
+    def _member_order(cls, job: Job, seats: dict[str, tuple[int, int]] | None = None) -> list[str]:
+        """Members in the order the next world takes them: survivors first, in
+        their previous rank order (the seating's), then newcomers in join order."""
+        seats = cls._seats(job) if seats is None else seats
+        return [*seats, *(mid for mid in job.members if mid not in seats)] if seats else list(job.members)
+
+    @classmethod
+    def _candidates(cls, job: Job, n: int) -> list:
+        """The next world's workers, in _member_order; whole members, so at most `n`."""
+        members = job.members
+        seats = cls._seats(job)
         candidates = []
-        for mid in [*seats, *(mid for mid in members if mid not in seats)] if seats else members:
+        for mid in cls._member_order(job, seats):
             m = members[mid]
             if len(candidates) + m.workers <= n:
                 candidates += m.candidates(mid, seats.get(mid))
@@ -665,15 +707,17 @@ class Rendezvous:
                     actions, world_size=plan.world_size, nodes=plan.num_nodes, seconds=round(formed_in_s, 3), reason=reason)
 
     def _stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
-        """The job cannot go on: FAILED or ENDED. Every session and waiter hears why."""
+        """The job cannot go on: FAILED, ENDED or CLOSED. Every session and waiter hears why."""
         job.state, job.reason, job.suspects = state, reason, set()
-        actions.notes.append(Note("failed" if state is JobState.FAILED else "ended", {"job": job.job_id, "reason": reason}))
-        kind = EventKind.FAILED if state is JobState.FAILED else EventKind.ENDED
-        self._event(job, kind, f"{'failed' if kind is EventKind.FAILED else 'finished'}: {reason}", actions, reason=reason)
+        failed, closed = state is JobState.FAILED, state is JobState.CLOSED
+        actions.notes.append(Note("failed" if failed else "ended", {"job": job.job_id, "reason": reason}))
+        self._event(job, EventKind.FAILED if failed else EventKind.ENDED,
+                    f"{'failed' if failed else 'closed' if closed else 'finished'}: {reason}", actions, reason=reason)
         actions.writes.append(PutJob(self._record(job)))
-        gone = Gone(f"job {job.job_id!r} {verb}: {reason}", state is JobState.ENDED)
+        gone = Gone(f"job {job.job_id!r} {verb}: {reason}", not failed, closed)
         actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
-        actions.wakes.append((job.job_id, JobStopped(f"job {job.job_id!r} cannot form: {reason}")))
+        stopped = f"job {job.job_id!r} was closed: {reason}" if closed else f"job {job.job_id!r} cannot form: {reason}"
+        actions.wakes.append((job.job_id, JobStopped(stopped, closed)))
 
     def _arm_last_call(self, job: Job) -> None:
         if job.state is JobState.FORMING and job.spec.min_size is not None and not job.last_call_armed:
@@ -707,7 +751,11 @@ class Rendezvous:
                                   f"naming generation {generation} cannot take over its membership")
         older = member.session  # renew() below takes a DETACHED member back
         missed: list[SessionEvent] = []
-        if job.in_world(member_id):
+        if job.state.over:  # a session opened after its job stopped: told at once, as the others were
+            verb = {JobState.FAILED: "cannot continue", JobState.ENDED: "finished", JobState.CLOSED: "was closed"}[job.state]
+            missed.append(Gone(f"job {job_id!r} {verb}: {job.reason}", job.state is not JobState.FAILED,
+                               job.state is JobState.CLOSED))
+        elif job.in_world(member_id):
             if job.state is JobState.FORMED and generation < job.generation:
                 missed.append(NewWorld(job_id, job.generation, job.plan, job.previous_plan, job.reason))
             elif job.state is JobState.FORMING and job.announced:
@@ -822,9 +870,11 @@ class Rendezvous:
         return self.lease_ttl_s, current, actions
 
     def leave(self, job_id: str, member_id: str, secret: str | None = None, job_secret: str | None = None,
-              caller: Caller = SERVER) -> Actions:
+              caller: Caller = SERVER, close: bool = False) -> Actions:
         """Removes a member, given its secret and, for a sealed job, the job's
-        (None: not checked).
+        (None: not checked). With `close`, first closes the job for everyone
+        (torchrun's shutdown of the run): CLOSED, every member and waiter told,
+        later joins refused while the job is kept.
 
         Raises:
             PermissionDenied: the job is sealed and `job_secret` does not open it.
@@ -832,8 +882,11 @@ class Rendezvous:
         """
         job = self._job(job_id)
         self._unseal(job_id, job.seal, job_secret, caller, "this leave's job_secret is missing or wrong")
-        self._member(job, member_id, secret)
+        member = self._member(job, member_id, secret)
         actions = Actions()
+        if close and job.state is not JobState.CLOSED:
+            self._stop(job, JobState.CLOSED, f"node {member.node_key!r} closed it (its launcher shut the run down)",
+                       "was closed", actions)
         self._remove(job, member_id, "left", actions)
         return actions
 
@@ -925,7 +978,7 @@ class Rendezvous:
         if not job.members:
             del self._jobs[job.job_id]
             self.shares.give(JOBS, job.creator)
-            if job.state is JobState.FAILED:  # kept a while (also across a restart) so DescribeJob can say why
+            if job.state in (JobState.FAILED, JobState.CLOSED):  # kept a while (also across a restart) to say why
                 self._retain(job, self.limits.retain_ended_s, actions)
                 actions.writes.append(PutJob(self._record(job, self._wall() + self.limits.retain_ended_s)))
             else:
@@ -952,11 +1005,12 @@ class Rendezvous:
         """A member of a formed (or re-forming) world is gone."""
         rank = job.plan.ranks.get(member_id)
         what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {_SAID.get(why, why)}"
-        remain = f"{job.workers} worker{'s' * (job.workers != 1)} remain{'s' * (job.workers == 1)}"
-        if job.workers < job.spec.min_world and why == "left":  # members leaving: the job is finishing
+        n, unit = (job.units, "node") if job.spec.nodes else (job.workers, "worker")
+        remain = f"{n} {unit}{'s' * (n != 1)} remain{'s' * (n == 1)}"
+        if job.units < job.spec.min_world and why == "left":  # members leaving: the job is finishing
             reason = f"{what} and {remain} (the job needs {job.spec.min_world} to go on)"
             self._stop(job, JobState.ENDED, reason, "finished", actions)
-        elif job.workers < job.spec.min_world:
+        elif job.units < job.spec.min_world:
             reason = f"{what}; {remain}, fewer than the minimum of {job.spec.min_world}"
             self._stop(job, JobState.FAILED, reason, "cannot continue", actions)
         elif job.state is JobState.FORMED:
@@ -1000,7 +1054,7 @@ class Rendezvous:
                 self._queue(job.job_id, mr.member_id, m, m.lease_deadline)
                 self._seq = max(self._seq, mr.seq)
             if not job.members:
-                if job.state is JobState.FAILED and record.retained_until > wall:
+                if job.state in (JobState.FAILED, JobState.CLOSED) and record.retained_until > wall:
                     self._retain(job, record.retained_until - wall, actions)
                 else:
                     actions.writes.append(DeleteJob(job.job_id))
@@ -1071,7 +1125,7 @@ class Rendezvous:
         for k, rank in page:
             node = job.nodes[k]
             nodes.append(NodeView(k, node.address, node.workers, rank, tuple(sorted((r, c) for r, c in node.roles.items() if c))))
-        if job.state in (JobState.FAILED, JobState.ENDED):
+        if job.state.over:
             reason = job.reason
         elif formed:
             reason = ""
@@ -1088,7 +1142,7 @@ class Rendezvous:
             generation=job.generation,
             spec=job.spec,
             joined=job.workers,
-            missing=max(job.spec.min_world - job.workers, 0) if job.state is JobState.FORMING else 0,
+            missing=max(job.spec.min_world - job.units, 0) if job.state is JobState.FORMING else 0,
             nodes=tuple(nodes),
             reason=reason,
             forming_for_s=self._clock() - job.forming_since,

@@ -137,13 +137,19 @@ class JoinParams(NamedTuple):
             raise InvalidArgument(f"address {exc}; advertise an address peers can reach") from None
         if not 1 <= port <= 65535:
             raise InvalidArgument(f"master_port {port} is out of range 1..65535")
+        if spec.nodes and local_rank is not None:
+            raise InvalidArgument(f"local_rank {local_rank} cannot be given in a job of nodes: each Join is a node, "
+                                  f"holding local ranks 0..workers-1")
         if local_rank is not None and local_rank >= spec.world_size:
             raise InvalidArgument(f"local_rank {local_rank} is not below world_size {spec.world_size}")
         if node_rank is not None and node_rank >= spec.world_size:
-            raise InvalidArgument(f"node_rank {node_rank} is not below world_size {spec.world_size}")
-        if not 1 <= workers <= min(spec.world_size, MAX_NODE_WORKERS):
-            raise InvalidArgument(f"workers {workers} is out of range 1..{min(spec.world_size, MAX_NODE_WORKERS)} "
-                                  f"(world_size {spec.world_size}; a node membership holds at most {MAX_NODE_WORKERS})")
+            raise InvalidArgument(f"node_rank {node_rank} is not below {'nodes.max' if spec.nodes else 'world_size'} "
+                                  f"{spec.world_size}")
+        most = MAX_NODE_WORKERS if spec.nodes else min(spec.world_size, MAX_NODE_WORKERS)
+        if not 1 <= workers <= most:
+            raise InvalidArgument(f"workers {workers} is out of range 1..{most} "
+                                  f"({'a job of nodes' if spec.nodes else f'world_size {spec.world_size}'}; "
+                                  f"a node membership holds at most {MAX_NODE_WORKERS})")
         if workers > 1 and local_rank is not None:
             raise InvalidArgument(f"local_rank {local_rank} cannot be given with workers {workers}: "
                                   f"a node membership holds local ranks 0..{workers - 1}")
@@ -159,6 +165,12 @@ class JobState(enum.Enum):
     FORMED = "formed"
     FAILED = "failed"
     ENDED = "ended"
+    CLOSED = "closed"  # a member closed it (torchrun's shutdown): no more joins; kept a while after its last member
+
+    @property
+    def over(self) -> bool:
+        """Whether the job can no longer form (its members are told, and leave)."""
+        return self in (JobState.FAILED, JobState.ENDED, JobState.CLOSED)
 
 
 class Lease(enum.Enum):
@@ -260,6 +272,7 @@ class Gone(NamedTuple):
 
     reason: str
     ended: bool = False  # the job ended because members left (it finished), not a failure
+    closed: bool = False  # the job was closed: the run is over for every member
 
 
 class Replaced(NamedTuple):
@@ -272,9 +285,10 @@ SessionEvent = WorldChange | NewWorld | Gone | Replaced
 
 
 class JobStopped(NamedTuple):
-    """Waiter outcome: the job failed or ended; every waiter hears why."""
+    """Waiter outcome: the job failed, ended or was closed; every waiter hears why."""
 
     reason: str
+    closed: bool = False
 
 
 class MemberGone(NamedTuple):
@@ -390,6 +404,17 @@ class Job:
         self.refused: Refusals = Refusals()
         self.creator: Any = None  # the Caller whose Join created it (shares.py); restored jobs: the server
 
+    @property
+    def units(self) -> int:
+        """What its sizes count: workers, or (a job of nodes) node memberships."""
+        return len(self.members) if self.spec.nodes else self.workers
+
+    def count(self) -> str:
+        """'3 of 8 workers', or '2 of 4 nodes (10 workers)' for a job of nodes."""
+        if self.spec.nodes:
+            return f"{len(self.members)} of {self.spec.world_size} nodes ({self.workers} workers)"
+        return f"{self.workers} of {self.spec.world_size} workers"
+
     def in_world(self, member_id: str) -> bool:
         """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""
         return self.plan is not None and member_id in self.plan.ranks
@@ -402,8 +427,8 @@ class Job:
         nodes = ", ".join(f"{n.key}×{n.workers}" for n in list(self.nodes.values())[:16])
         if len(self.nodes) > 16:
             nodes += f", ... ({len(self.nodes)} nodes)"
-        missing = self.spec.min_world - self.workers
-        what = f"{self.workers} of {self.spec.world_size} workers joined (nodes present: {nodes or 'none'})"
+        missing = self.spec.min_world - self.units
+        what = f"{self.count()} joined (nodes present: {nodes or 'none'})"
         if self.spec.min_size is not None:
             return what + (f"; {missing} missing for the minimum of {self.spec.min_size}" if missing > 0 else "; waiting for the last call")
         return f"{what}; {missing} missing"

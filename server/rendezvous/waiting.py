@@ -19,7 +19,7 @@ import math
 import os
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..errors import Conflict, NotFound, Unavailable, WaitTimeout
+from ..errors import Closed, Conflict, NotFound, Unavailable, WaitTimeout
 from .deadlines import Deadlines
 from .machine import Actions
 from .model import JobStopped, Joined, JoinParams, MemberGone, NewWorld, WaitOutcome, secret_digest
@@ -215,7 +215,7 @@ class Waiters:
         if isinstance(outcome, MemberGone):
             error: Exception | None = NotFound(f"member {outcome.member_id} left job {job_id!r} while waiting")
         else:
-            error = Conflict(outcome.reason) if isinstance(outcome, JobStopped) else None
+            error = (Closed if outcome.closed else Conflict)(outcome.reason) if isinstance(outcome, JobStopped) else None
         for i, future in enumerate(futures):
             if not future.done():
                 if error is None:

@@ -25,6 +25,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from ..errors import (
     AlreadyExists,
+    Closed,
     Conflict,
     InvalidArgument,
     JobFull,
@@ -65,6 +66,7 @@ STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
     InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_REQUEST),
     Conflict: (grpc.StatusCode.FAILED_PRECONDITION, pb.JOB_CONFLICT),
     StaleGeneration: (grpc.StatusCode.FAILED_PRECONDITION, pb.STALE_GENERATION),
+    Closed: (grpc.StatusCode.FAILED_PRECONDITION, pb.JOB_CLOSED),
     AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, pb.RANK_TAKEN),
     JobFull: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.JOB_FULL),
     NotFound: (grpc.StatusCode.NOT_FOUND, pb.MEMBER_NOT_FOUND),
@@ -82,6 +84,7 @@ _STATE = {
     JobState.FORMED: pb.JobDescription.FORMED,
     JobState.FAILED: pb.JobDescription.FAILED,
     JobState.ENDED: pb.JobDescription.ENDED,
+    JobState.CLOSED: pb.JobDescription.CLOSED,
 }
 
 
@@ -269,7 +272,7 @@ def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | None
     if isinstance(event, WorldChange):
         return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason))
     if isinstance(event, Gone):
-        return pb.SessionEvent(gone=event.reason, job_ended=event.ended)
+        return pb.SessionEvent(gone=event.reason, job_ended=event.ended, job_closed=event.closed)
     raise TypeError(f"not a session event: {elide(event)}")
 
 

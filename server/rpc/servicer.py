@@ -226,7 +226,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse | None:
         try:
             actions = self._machine.leave(check_job_id(request.job_id), check_member_id(request.member_id), request.member_secret,
-                                          request.job_secret, caller_of(context, self._callers))
+                                          request.job_secret, caller_of(context, self._callers), request.close)
             await self._executor.carry_out(actions)  # answered once the departure is durable
         except Exception as exc:
             self._fail(context, "Leave", exc)

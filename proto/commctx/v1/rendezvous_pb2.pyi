@@ -23,6 +23,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_SEALED: _ClassVar[ErrorReason]
     SERVER_FULL: _ClassVar[ErrorReason]
     NOT_LEADER: _ClassVar[ErrorReason]
+    JOB_CLOSED: _ClassVar[ErrorReason]
     SESSION_REPLACED: _ClassVar[ErrorReason]
 
 class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -42,12 +43,13 @@ UNAUTHENTICATED_CALLER: ErrorReason
 JOB_SEALED: ErrorReason
 SERVER_FULL: ErrorReason
 NOT_LEADER: ErrorReason
+JOB_CLOSED: ErrorReason
 SESSION_REPLACED: ErrorReason
 SCOPE_JOB: Scope
 SCOPE_NODE: Scope
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "layout", "roles", "groups", "cpu_twins", "expected_nodes", "elastic")
+    __slots__ = ("world_size", "layout", "roles", "groups", "cpu_twins", "expected_nodes", "elastic", "nodes")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class JobSpec(_message.Message):
     CPU_TWINS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_NODES_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     layout: ParallelLayout
     roles: _containers.RepeatedCompositeFieldContainer[RoleCount]
@@ -62,7 +65,18 @@ class JobSpec(_message.Message):
     cpu_twins: _containers.RepeatedScalarFieldContainer[str]
     expected_nodes: _containers.RepeatedScalarFieldContainer[str]
     elastic: Elastic
-    def __init__(self, world_size: _Optional[int] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRule, _Mapping]]] = ..., cpu_twins: _Optional[_Iterable[str]] = ..., expected_nodes: _Optional[_Iterable[str]] = ..., elastic: _Optional[_Union[Elastic, _Mapping]] = ...) -> None: ...
+    nodes: Nodes
+    def __init__(self, world_size: _Optional[int] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRule, _Mapping]]] = ..., cpu_twins: _Optional[_Iterable[str]] = ..., expected_nodes: _Optional[_Iterable[str]] = ..., elastic: _Optional[_Union[Elastic, _Mapping]] = ..., nodes: _Optional[_Union[Nodes, _Mapping]] = ...) -> None: ...
+
+class Nodes(_message.Message):
+    __slots__ = ("min", "max", "last_call_ms")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    LAST_CALL_MS_FIELD_NUMBER: _ClassVar[int]
+    min: int
+    max: int
+    last_call_ms: int
+    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., last_call_ms: _Optional[int] = ...) -> None: ...
 
 class Elastic(_message.Message):
     __slots__ = ("min_size", "last_call_ms")
@@ -267,18 +281,20 @@ class SessionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone", "job_ended")
+    __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone", "job_ended", "job_closed")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     WORLD_CHANGED_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
     JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
+    JOB_CLOSED_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     world_changed: WorldChange
     assignment: Assignment
     gone: str
     job_ended: bool
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ..., job_ended: _Optional[bool] = ...) -> None: ...
+    job_closed: bool
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ..., job_ended: _Optional[bool] = ..., job_closed: _Optional[bool] = ...) -> None: ...
 
 class WorldChange(_message.Message):
     __slots__ = ("generation", "reason")
@@ -309,16 +325,18 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "member_secret", "job_secret")
+    __slots__ = ("job_id", "member_id", "member_secret", "job_secret", "close")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     member_secret: str
     job_secret: str
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ...) -> None: ...
+    close: bool
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., close: _Optional[bool] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
@@ -345,11 +363,13 @@ class JobDescription(_message.Message):
         FORMED: _ClassVar[JobDescription.State]
         FAILED: _ClassVar[JobDescription.State]
         ENDED: _ClassVar[JobDescription.State]
+        CLOSED: _ClassVar[JobDescription.State]
     STATE_UNSPECIFIED: JobDescription.State
     FORMING: JobDescription.State
     FORMED: JobDescription.State
     FAILED: JobDescription.State
     ENDED: JobDescription.State
+    CLOSED: JobDescription.State
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
