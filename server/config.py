@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("commctx")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown: the commctx distribution is not installed)"
 
 
 def _number(text: str, kind: type) -> Any:
@@ -168,6 +176,7 @@ class Config:
 
 def parser(prog: str = "commctx-server") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="commctx rendezvous server")
+    p.add_argument("--version", action="version", version=f"{prog} {_version()}")
     for s in SETTINGS:
         p.add_argument(s.flag, dest=s.name, metavar=s.name.upper(), help=f"{s.help} ({s.env}; default {s.default})")
     return p

@@ -173,6 +173,18 @@ def ports_in_use(config: Config) -> str:
     return ""
 
 
+def store_line(config: Config, server) -> str:
+    """Where the server keeps its state, and what it found there, in words."""
+    if config.store == "etcd":
+        return (f"etcd {config.etcd_endpoints} under {config.etcd_prefix} (an HA replica: it serves while elected "
+                f"leader, restoring the jobs kept there)")
+    if config.store == "memory":
+        return "memory only (nothing survives a restart)"
+    jobs = len(server.machine.job_ids())
+    path = os.path.join(os.path.expanduser(config.state_dir), "commctx.sqlite3")
+    return f"sqlite {path} ({jobs} job{'s' * (jobs != 1)} restored)"
+
+
 def advertise_address(config: Config, port: int) -> str:
     """--advertise-addr, else --host:port, else (host 0.0.0.0 or ::) this host's
     own address: the name of the host if it resolves, as in a StatefulSet."""
@@ -216,6 +228,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
     if server.http_port is not None:
         print(f"commctx-server http on http://{host_port(config.host, server.http_port)}/ "
               f"(the dashboard; /metrics; /api/v1/jobs)", flush=True)
+    print(f"commctx-server store: {store_line(config, server)}", flush=True)  # last: tools read the lines above by position
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
