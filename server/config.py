@@ -117,7 +117,7 @@ SETTINGS = (
     Setting("retain_ended_s", _positive, "300", "how long such a job is kept"),
     Setting("caller_share", _share, "0.25", "the fraction of --max-jobs, --max-members (as Joins waiting) and --max-streams one caller may hold: a token (with --auth-tokens), else a client certificate, else a peer address; admin tokens are exempt"),
     Setting("max_events_per_job", _count, "1000", "a job's history (commctx events, the dashboard) keeps its last this many events"),
-    Setting("max_connection_age_s", _positive, "3600", "a connection is closed (GOAWAY) after this long, its calls in flight then get --max-join-wait-s more; clients reconnect"),
+    Setting("max_connection_age_s", _positive, "3600", "a connection is closed (GOAWAY) after this long, its calls in flight then get --max-join-wait-s + 1 s more; clients reconnect"),
     Setting("tls_cert", str, "", "PEM certificate chain: the main port speaks TLS only (the health-only port stays plaintext)"),
     Setting("tls_key", str, "", "PEM private key of --tls-cert"),
     Setting("auth_tokens", str, "", "file of bearer tokens, one per line ('TOKEN' or 'TOKEN admin'); every call but health then needs one; re-read on SIGHUP"),

@@ -16,7 +16,7 @@ the history and the final state:
   renewals failed for a whole lease (counted, and expected only when the
   machine is overloaded).
 
-COMMCTX_CHAOS_S sets how long the storms go on (default 20 s; the README
+COMMCTX_CHAOS_S sets how long the storms go on (default 20 s; docs/benchmarks.md
 gives the longest local run)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fuzzing the rendezvous server: at least 10,000 generated requests across all
-six RPCs, against one real server, beside a healthy job.
+eight RPCs, against one real server, beside a healthy job.
 
 Why: a rendezvous server faces whatever reaches its port: hostile field
 values, truncated or mutated messages, bytes that are no message at all. Each
@@ -70,10 +70,12 @@ U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 REQUEST_TYPES: dict[str, type[Message]] = {
     "Join": pb.JoinRequest, "Session": pb.SessionRequest, "KeepAlive": pb.KeepAliveRequest,
     "Leave": pb.LeaveRequest, "DescribeJob": pb.DescribeJobRequest, "ListJobs": pb.ListJobsRequest,
+    "ListEvents": pb.ListEventsRequest, "WatchEvents": pb.WatchEventsRequest,
 }
 RESPONSE_TYPES: dict[str, type[Message]] = {
     "Join": pb.JoinResponse, "Session": pb.SessionEvent, "KeepAlive": pb.KeepAliveResponse,
     "Leave": pb.LeaveResponse, "DescribeJob": pb.JobDescription, "ListJobs": pb.ListJobsResponse,
+    "ListEvents": pb.ListEventsResponse, "WatchEvents": pb.JobEvent,
 }
 # What each RPC may answer, per the protocol's comments. Everything else is a
 # failure: UNKNOWN and INTERNAL above all, UNAVAILABLE (a server down), and a
@@ -85,20 +87,29 @@ EXPECTED: dict[str, frozenset[Code]] = {
     # sessions did is FAILED_PRECONDITION; one that a newer session of its member replaced ends ABORTED.
     "Session": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.ABORTED}),
     "KeepAlive": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
-    "Leave": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED}),
-    "DescribeJob": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED}),
+    # RESOURCE_EXHAUSTED where a job's secret is asked: a caller guessing it is throttled.
+    "Leave": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED, Code.RESOURCE_EXHAUSTED}),
+    "DescribeJob": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED,
+                              Code.RESOURCE_EXHAUSTED}),
     "ListJobs": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    "ListEvents": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED,
+                             Code.RESOURCE_EXHAUSTED}),
+    # A watch is read for its first event, then cancelled by the fuzzer (CANCELLED is its own doing).
+    "WatchEvents": frozenset({Code.OK, Code.CANCELLED, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED,
+                              Code.RESOURCE_EXHAUSTED}),
 }
 REASONS: dict[Code, frozenset[str]] = {  # the ErrorInfo reasons each code comes with
     Code.INVALID_ARGUMENT: frozenset({"INVALID_REQUEST"}),
-    Code.FAILED_PRECONDITION: frozenset({"JOB_CONFLICT", "STALE_GENERATION"}),
+    Code.FAILED_PRECONDITION: frozenset({"JOB_CONFLICT", "STALE_GENERATION", "JOB_CLOSED"}),
+    Code.ABORTED: frozenset({"SESSION_REPLACED"}),
     Code.ALREADY_EXISTS: frozenset({"RANK_TAKEN"}),
     Code.RESOURCE_EXHAUSTED: frozenset({"JOB_FULL", "SERVER_FULL"}),
     Code.NOT_FOUND: frozenset({"MEMBER_NOT_FOUND"}),
     Code.DEADLINE_EXCEEDED: frozenset({"RENDEZVOUS_TIMEOUT"}),
     Code.PERMISSION_DENIED: frozenset({"JOB_SEALED"}),
 }
-WEIGHTS = {"Join": 24, "Session": 14, "KeepAlive": 16, "Leave": 12, "DescribeJob": 16, "ListJobs": 8}
+WEIGHTS = {"Join": 24, "Session": 14, "KeepAlive": 16, "Leave": 12, "DescribeJob": 16, "ListJobs": 8, "ListEvents": 8,
+           "WatchEvents": 8}
 FORMATION_SHARE = 0.06  # of the cases: a world of 1-8 workers joining together
 RAW_SHARE = 0.3  # of the calls: bytes rather than a message built field by field
 
@@ -224,7 +235,7 @@ def problems(call: Call, result: Result) -> list[str]:
     if code not in EXPECTED[call.rpc]:
         return [f"{call.rpc} answered {code.name}"]
     out = []
-    if code is not Code.OK:
+    if code not in (Code.OK, Code.CANCELLED):
         size = len(result.details.encode())
         if size > MAX_DETAILS_BYTES:
             out.append(f"{call.rpc} {code.name}: details are {size} bytes, over {MAX_DETAILS_BYTES}")
@@ -258,6 +269,18 @@ def problems(call: Call, result: Result) -> list[str]:
 async def send(channel: grpc.aio.Channel, call: Call) -> Result:
     """Sends one call as bytes (no serializer either way) and collects its answer."""
     path = SERVICE + call.rpc
+    if call.rpc == "WatchEvents":  # a stream that lasts the job's life: its first event (or its end), then cancelled
+        watch = channel.unary_stream(path)(call.payload, timeout=CALL_TIMEOUT_S)
+        try:
+            first = await asyncio.wait_for(watch.read(), 1.0)
+        except asyncio.TimeoutError:  # open, with nothing kept to send yet: cancelled by wait_for
+            return Result(Code.CANCELLED, "", (), ())
+        except grpc.aio.AioRpcError as err:
+            return Result(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()), ())
+        if first is grpc.aio.EOF:
+            return Result(await watch.code(), "", (), ())
+        watch.cancel()
+        return Result(Code.CANCELLED, "", (), (first,))
     if isinstance(call.payload, bytes):
         try:
             response = await channel.unary_unary(path)(call.payload, timeout=CALL_TIMEOUT_S)
@@ -611,6 +634,21 @@ class Fuzzer:
         known = self.jobs.get(job_id)
         return pb.DescribeJobRequest(job_id=job_id, job_secret=known[1] if known and r.random() < 0.5 else self.job_secret())
 
+    def list_events(self) -> pb.ListEventsRequest:
+        r = self.rng
+        job_id = self.job_id()
+        known = self.jobs.get(job_id)
+        return pb.ListEventsRequest(job_id=job_id, job_secret=known[1] if known and r.random() < 0.5 else self.job_secret(),
+                                    page_size=r.choice((0, 1, 2, 100, 1000, 1001, U32)),
+                                    page_token=r.choice(("", "", "1", "2", str(U64), "x", self.text())))
+
+    def watch_events(self) -> pb.WatchEventsRequest:
+        r = self.rng
+        job_id = self.job_id()
+        known = self.jobs.get(job_id)
+        return pb.WatchEventsRequest(job_id=job_id, job_secret=known[1] if known and r.random() < 0.5 else self.job_secret(),
+                                     after_seq=r.choice((0, 0, 1, 3, U64)))
+
     def list_jobs(self) -> pb.ListJobsRequest:
         r = self.rng
         size = r.choice((0, 0, 1, 2, 10, 100, 1000, 1001, U32)) if r.random() < 0.5 else r.randrange(0, 50)
@@ -633,7 +671,8 @@ class Fuzzer:
         if rpc == "Join":
             return self.rejoin() if self.members and self.rng.random() < 0.1 else self.join()
         return {"Session": self.session_request, "KeepAlive": self.keep_alive, "Leave": self.leave,
-                "DescribeJob": self.describe, "ListJobs": self.list_jobs}[rpc]()
+                "DescribeJob": self.describe, "ListJobs": self.list_jobs, "ListEvents": self.list_events,
+                "WatchEvents": self.watch_events}[rpc]()
 
     # -- raw bytes ---------------------------------------------------------------
 

@@ -216,8 +216,6 @@ def parsed_server(directory: pathlib.Path) -> tuple[server_config.Config, dict]:
            for e in c.get("env", [])}
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
     known = {s.flag for s in server_config.SETTINGS}
-    if "--http-port" not in known:  # being added; until then --metrics-port serves /metrics there
-        args = [a.replace("--http-port", "--metrics-port", 1) if a.startswith("--http-port") else a for a in args]
     assert set(flags(args)) <= known, f"unknown flags {set(flags(args)) - known}"
     settings = {s.env for s in server_config.SETTINGS}
     assert {k for k in env if k.startswith("COMMCTX_")} <= settings, "an unknown COMMCTX_* variable"
@@ -232,7 +230,7 @@ def parsed_server(directory: pathlib.Path) -> tuple[server_config.Config, dict]:
 def test_commctx_server_accepts_the_arguments(directory):
     cfg, c = parsed_server(directory)
     assert (cfg.host, cfg.port, cfg.health_port) == ("0.0.0.0", GRPC, HEALTH)
-    assert getattr(cfg, "http_port", None) == HTTP or cfg.metrics_port == HTTP
+    assert cfg.http_port == HTTP
     assert c["command"] == ["commctx-server"]
     dockerfile = (ROOT / "Dockerfile").read_text()
     server_stage = dockerfile.split("AS server", 1)[1].split("\nFROM ", 1)[0]

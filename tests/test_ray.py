@@ -35,7 +35,7 @@ def test_trainers_and_rollouts_as_ray_actors():
     before = descendants()
     server = Server("127.0.0.1")
     try:
-        # The driver as its own process, as the README runs it: Ray then starts its
+        # The driver as its own process, as docs/guides/ray.md runs it: Ray then starts its
         # processes from a clean one, not from this one's gRPC threads.
         driver = subprocess.run([sys.executable, str(EXAMPLE), "--server", server.address, "--job", "ray-rl",
                                  "--timeout", "90", "--json"], capture_output=True, text=True, timeout=170,

@@ -1,6 +1,6 @@
 """Fair shares: what one caller may hold of the server's limits.
 
-A caller is who a call comes from, as the RPC edge tells (rpc/callers.py): a
+A caller is who a call comes from, as the RPC edge tells (rpc/auth.py, caller_of): a
 bearer token (with --auth-tokens), else the identity of a client certificate
 (mutual TLS), else the peer's IP address. Each caller may hold at most
 `caller_share` of each server-wide limit (--caller-share, default 1/4): jobs
