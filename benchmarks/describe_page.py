@@ -12,7 +12,7 @@ import time
 
 from commctx.server.planning import JobSpec
 from commctx.server.rendezvous.machine import Rendezvous
-from commctx.server.rendezvous.model import JoinParams
+from commctx.server.rendezvous.params import JoinParams
 
 NODES = 100_000
 

@@ -31,7 +31,7 @@ def joins(n: int, events: bool) -> float:
     """CPU seconds for n Joins of one job."""
     from commctx.server.planning import JobSpec
     from commctx.server.rendezvous.machine import Rendezvous
-    from commctx.server.rendezvous.model import JoinParams
+    from commctx.server.rendezvous.params import JoinParams
 
     machine = Rendezvous(lease_ttl_s=10.0)
     if not events:

@@ -33,7 +33,7 @@ from .errors import CommContextError, InvalidArgument, InvalidRequest, ServerUna
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
-from .progress import DEFAULT_EVERY_S, say
+from .progress import DEFAULT_EVERY_S
 from .session import Session
 from .transport import Tls, server_addresses
 

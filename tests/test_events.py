@@ -18,7 +18,7 @@ import pytest
 from grpc import StatusCode as Code
 
 from commctx.server import start_server
-from commctx.server.rendezvous.history import Watchers
+from commctx.server.rendezvous.watching import Watchers
 from commctx.server.rendezvous.sqlite import SqliteStore
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc

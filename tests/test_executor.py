@@ -14,7 +14,8 @@ from commctx.server.planning import JobSpec
 from commctx.server.rendezvous.executor import Executor
 from commctx.server.rendezvous.waiting import Waiters
 from commctx.server.rendezvous.machine import Rendezvous
-from commctx.server.rendezvous.model import JobState, JoinParams, MemberGone, NewWorld
+from commctx.server.rendezvous.model import JobState, MemberGone, NewWorld
+from commctx.server.rendezvous.params import JoinParams
 from commctx.server.rendezvous.store import Fenced, MemoryStore, StoreError
 
 from .conftest import eventually

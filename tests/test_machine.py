@@ -12,17 +12,8 @@ import pytest
 from commctx.server.errors import AlreadyExists, Closed, Conflict, InvalidArgument, JobFull, NotFound, StaleGeneration
 from commctx.server.planning import JobSpec, PlanError, plan_world
 from commctx.server.rendezvous.machine import Actions, Rendezvous
-from commctx.server.rendezvous.model import (
-    Limits,
-    Gone,
-    JobState,
-    JobStopped,
-    JoinParams,
-    MemberGone,
-    NewWorld,
-    Replaced,
-    WorldChange,
-)
+from commctx.server.rendezvous.model import Limits, Gone, JobState, JobStopped, MemberGone, NewWorld, Replaced, WorldChange
+from commctx.server.rendezvous.params import JoinParams
 from commctx.server.rendezvous.store import DeleteJob, DeleteMember, MemoryStore, PutEvent, PutJob, PutMember
 
 TTL = 10.0
@@ -242,12 +233,12 @@ def test_a_plan_for_a_job_that_changed_meanwhile_is_dropped(clock):
 
 
 def test_a_planner_bug_fails_the_one_job_it_meets_and_leaves_nobody_half_joined(rdzv, monkeypatch, caplog):
-    import commctx.server.rendezvous.machine as machine
+    import commctx.server.rendezvous.forming as forming
 
     def broken(candidates, spec):
         raise ValueError("slice step cannot be zero")
 
-    monkeypatch.setattr(machine, "plan_world", broken)
+    monkeypatch.setattr(forming, "plan_world", broken)
     _, actions = join(rdzv, params(JobSpec.build(1), "n"))  # the transition completes: no exception escapes
     (stopped,) = [o for _, o in actions.wakes]
     assert isinstance(stopped, JobStopped) and "the planner failed on this spec (ValueError: 'slice step" in stopped.reason

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from commctx.server.rendezvous.model import JoinParams
+from commctx.server.rendezvous.params import JoinParams
 from commctx.server.planning import JobSpec
 from commctx.v1 import rendezvous_pb2 as pb
 

@@ -11,138 +11,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from commctx.modes import BUILTIN_MODES, LAYOUT_MODES, MODE_NAME
+from commctx.modes import BUILTIN_MODES, LAYOUT_MODES
 
 from ..errors import Conflict, InvalidArgument
+from .layout import DIMS, Layout
+from .names import NODE_KEY, check_mode, check_role, elide, whole_number
 
 MAX_WORLD_SIZE = 1 << 20
-DIMS = tuple(LAYOUT_MODES)  # tp, cp, ep, dp, pp
-DEFAULT_ORDER = "-".join(DIMS)
 DEFAULT_LAST_CALL_S = 1.0
-ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-NODE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
-
-
-def elide(value: object, limit: int = 64) -> str:
-    """repr() of a value, cut to about `limit` characters: messages name bad values, never copy them whole."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_name(kind: str, value: str, pattern: re.Pattern[str], rule: str) -> str:
-    """Returns `value`; raises InvalidArgument naming it unless it matches `pattern`."""
-    if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise InvalidArgument(f"{kind} {elide(value)} is malformed: {rule}")
-    return value
-
-
-def check_role(value: str) -> str:
-    """Raises InvalidArgument unless `value` is a well-formed role name."""
-    return check_name("role", value, ROLE_NAME, "1-64 characters of [A-Za-z0-9._-], starting with a letter or digit")
-
-
-def check_mode(value: str) -> str:
-    """Raises InvalidArgument unless `value` is a well-formed group mode."""
-    return check_name("groups.mode", value, MODE_NAME, "1-64 characters of [A-Za-z0-9_.-], starting with a letter")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Parallel dimension sizes in `order` (fastest-varying first)."""
-
-    sizes: tuple[tuple[str, int], ...]
-    within_node: tuple[str, ...] = ()
-    dp_given: bool = False  # dp was given, rather than derived from the world size
-
-    @classmethod
-    def build(cls, world_size: int, layout: Mapping[str, Any], elastic_min: int | None = None) -> Layout:
-        """Validates a layout for `world_size` workers.
-
-        Args:
-            layout: sizes `tp`, `cp`, `ep`, `dp`, `pp` (missing or 0: 1, but dp
-                is derived), `order` ("tp-cp-ep-dp-pp" by default) and
-                `within_node` (dimensions whose groups must stay inside a node).
-            elastic_min: for an elastic job, its minimum size: dp is then derived
-                for the largest multiple of the other sizes that fits.
-
-        Raises:
-            InvalidArgument: a malformed order or dimension name, or dp given for an elastic job.
-            Conflict: the sizes do not multiply to a world size in range.
-        """
-        order = layout.get("order") or ""
-        if not isinstance(order, str):
-            raise InvalidArgument(f"layout.order {elide(order)} is not text")
-        tokens = (order or DEFAULT_ORDER).split("-")
-        for t in tokens:
-            if t not in DIMS:
-                raise InvalidArgument(f"layout.order {elide(order)}: {elide(t)} is not one of {', '.join(DIMS)}")
-        if len(set(tokens)) != len(tokens):
-            raise InvalidArgument(f"layout.order {elide(order)} names a dimension twice")
-        given = {d: _int(f"layout.{d}", layout.get(d) or 0) for d in DIMS}
-        for d, v in given.items():
-            if v < 0:
-                raise InvalidArgument(f"layout.{d} {v} is negative")
-        sizes = {d: given[d] or 1 for d in DIMS}
-        others = math.prod(sizes[d] for d in DIMS if d != "dp")
-        product_text = f"{sizes['tp']}×{sizes['cp']}×{sizes['ep']}×{sizes['pp']} = {others}"
-        if elastic_min is not None:
-            if given["dp"]:
-                raise InvalidArgument(f"layout.dp {given['dp']}: an elastic job derives dp from the world size; leave dp out")
-            largest = world_size - world_size % others
-            if largest < max(elastic_min, 1):
-                raise Conflict(f"no world size from {elastic_min} to {world_size} is a multiple of tp×cp×ep×pp = {product_text}")
-            world_size = largest
-        if not given["dp"]:
-            if world_size % others:
-                raise Conflict(f"world_size {world_size} is not divisible by tp×cp×ep×pp = {product_text}")
-            sizes["dp"] = world_size // others
-        product = math.prod(sizes.values())
-        if product != world_size:
-            raise Conflict(
-                f"tp×cp×ep×dp×pp = {'×'.join(str(sizes[d]) for d in DIMS)} = {product} but world_size is {world_size}"
-            )
-        for d in DIMS:
-            if d not in tokens:
-                if sizes[d] != 1:
-                    raise InvalidArgument(f"layout.order {elide(order)} leaves out {d}, whose size is {sizes[d]}")
-                tokens.append(d)
-        within = tuple(sorted(set(layout.get("within_node") or ())))
-        for d in within:
-            if d not in DIMS:
-                raise InvalidArgument(f"layout.within_node {elide(d)} is not one of {', '.join(DIMS)}")
-        return cls(tuple((d, sizes[d]) for d in tokens), within, bool(given["dp"]))
-
-    @property
-    def step(self) -> int:
-        """The product of every size but dp: world sizes must be multiples of it."""
-        return math.prod(s for d, s in self.sizes if d != "dp")
-
-    def at_size(self, world_size: int) -> Layout:
-        """This layout with dp derived for `world_size` (a multiple of `step`)."""
-        dp = world_size // self.step
-        return dataclasses.replace(self, sizes=tuple((d, dp if d == "dp" else s) for d, s in self.sizes))
-
-    @property
-    def order(self) -> str:
-        return "-".join(d for d, _ in self.sizes)
-
-    def size(self, dim: str) -> int:
-        return dict(self.sizes)[dim]
-
-    def given(self) -> dict[str, int]:
-        """The sizes as a caller gave them (dp only when it was not derived)."""
-        return {d: s for d, s in self.sizes if d != "dp" or self.dp_given}
-
-    def __str__(self) -> str:
-        text = " ".join(f"{d}={s}" for d, s in self.sizes) + f" order={self.order}"
-        return text + (f" within_node={','.join(self.within_node)}" if self.within_node else "")
-
-
 @dataclasses.dataclass(frozen=True)
 class RoleGroup:
     """All workers of `roles`, job-wide or one group per node."""
@@ -291,22 +170,22 @@ class JobSpec:
             if form.get("world_size") or elastic is not None:
                 raise InvalidArgument("a spec with nodes (a job of launcher nodes) gives neither world_size nor elastic: "
                                       "its sizes are nodes.min and nodes.max")
-            top = _int("nodes.max", nodes.get("max", 0))
+            top = whole_number("nodes.max", nodes.get("max", 0))
             if not 1 <= top <= MAX_WORLD_SIZE:
                 raise InvalidArgument(f"nodes.max {top} is out of range 1..{MAX_WORLD_SIZE}")
-            elastic = {"min_size": _int("nodes.min", nodes.get("min", 0)) or top}
+            elastic = {"min_size": whole_number("nodes.min", nodes.get("min", 0)) or top}
             last_call_ms = nodes.get("last_call_ms")
             form = {**form, "world_size": top}
         return cls.build(
-            _int("world_size", form.get("world_size", 0)),
+            whole_number("world_size", form.get("world_size", 0)),
             layout=layout,
-            roles=[(_keys("roles", r, ("role", "count")).get("role", ""), _int("count", r.get("count", 0)))
+            roles=[(_keys("roles", r, ("role", "count")).get("role", ""), whole_number("count", r.get("count", 0)))
                    for r in _list("roles", form.get("roles", ()))],
             rules=[_rule_of_json(g) for g in _list("groups", form.get("groups", ()))],
             cpu_twins=_list("cpu_twins", form.get("cpu_twins", ())),
             expected_nodes=_list("expected_nodes", form.get("expected_nodes", ())),
-            min_size=_int("elastic.min_size", elastic.get("min_size", 0)) if elastic is not None else None,
-            last_call_s=None if last_call_ms is None else _int("elastic.last_call_ms", last_call_ms) / 1000,
+            min_size=whole_number("elastic.min_size", elastic.get("min_size", 0)) if elastic is not None else None,
+            last_call_s=None if last_call_ms is None else whole_number("elastic.last_call_ms", last_call_ms) / 1000,
             nodes=nodes is not None,
         )
 
@@ -477,12 +356,6 @@ def _keys(where: str, form: object, known: Sequence[str]) -> Mapping[str, Any]:
 def _list(what: str, value: object) -> Sequence[Any]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise InvalidArgument(f"{what} must be a list, not {elide(value)}")
-    return value
-
-
-def _int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{what} {elide(value)} is not a whole number")
     return value
 
 

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 
 from ..errors import Unavailable
-from .history import Watchers
+from .watching import Watchers
 from .machine import Actions, Rendezvous, plan_or_error
 from .model import Note, PlanRequest
 from .store import Fenced, Store, StoreError

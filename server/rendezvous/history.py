@@ -1,105 +1,79 @@
-"""Watching a job's history: the watches open on each job, fed by the
-executor with every event once it is durable, each through a bounded queue.
-
-A watch starts from a snapshot of the kept events after its cursor; events
-published later that the snapshot already held are not sent twice (an event
-whose count grew since, same seq, is). A watch whose reader falls QUEUE events
-behind is cut off (TooSlow, with the last seq it was given) rather than held
-in memory without bound. A job that is gone ends its watches (JOB_GONE).
-"""
+"""A job's history: the events the state machine records as it goes (the
+`Recording` mixin of `Rendezvous`, machine.py), kept in the job (the last
+--max-events-per-job), persisted with the transition's writes and published to
+the job's watches (watching.py) once durable. Pure: no asyncio, no grpc."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from collections.abc import Iterable
+import collections
 
-from .model import JobEvent
-
-JOB_GONE = None  # what a watch reads when its job is gone from the server
-
-
-class TooSlow:
-    """What a watch reads when its reader fell too far behind (it may watch again from what it has)."""
+from ..errors import NotFound
+from ..planning import elide
+from .actions import Actions
+from .model import EventKind, Job, JobEvent
+from .shares import SERVER, Caller
+from .store import PutEvent, TrimEvents
 
 
-TOO_SLOW = TooSlow()
+class Recording:
+    """Appending to a job's history, and reading it."""
 
+    JOIN_COALESCE_S = 1.0  # joins within this long of a job's "joined" event are counted in it
 
-class Watch:
-    """One reader of one job's events: read `queue` until JOB_GONE, TooSlow or an Exception."""
+    def _event(self, job: Job, kind: EventKind, message: str, actions: Actions, **fields: object) -> None:
+        """Appends an event to the job's history (the last max_events_per_job are kept):
+        persisted with the transition's writes, then published to its watchers."""
+        now = self._wall()
+        events = job.events
+        if events.maxlen != self.limits.max_events_per_job:
+            job.events = events = collections.deque(events, maxlen=self.limits.max_events_per_job)
+        last = events[-1] if events else None
+        if (kind is EventKind.JOINED and last is not None and last.kind == EventKind.JOINED.value
+                and last.generation == job.generation and now - last.fields.get("first", last.time) < self.JOIN_COALESCE_S):
+            count = last.fields.get("workers", 1) + fields.get("workers", 1)
+            first = last.fields.get("first", last.time)
+            event = last._replace(time=now, message=f"{count} workers joined in {now - first:.1f} s (the last on node "
+                                                    f"{fields.get('node')!r}); {job.count()}",
+                                  fields={**fields, "workers": count, "first": first})
+            events[-1] = event  # a count that grew: the same seq, replaced
+        else:
+            event = JobEvent(last.seq + 1 if last is not None else 1, now, kind.value, job.generation, message, fields)
+            dropped = len(events) == events.maxlen
+            events.append(event)
+            if dropped and events[0].seq % 64 == 0:  # the store forgets the dropped ones now and then, not each time
+                actions.writes.append(TrimEvents(job.job_id, events[0].seq))
+        actions.writes.append(PutEvent(job.job_id, event))
+        actions.events.append((job.job_id, event))
 
-    __slots__ = ("job_id", "queue", "_last", "_cut")
+    def last_event(self, job_id: str) -> JobEvent | None:
+        """The job's latest event (None: none, or an unknown job)."""
+        job = self._jobs.get(job_id)
+        history = job.events if job is not None else self._failed.get(job_id, (None, None, ()))[2]
+        return history[-1] if history else None
 
-    def __init__(self, job_id: str) -> None:
-        self.job_id = job_id
-        self.queue: asyncio.Queue[JobEvent | TooSlow | Exception | None] = asyncio.Queue()
-        self._last: JobEvent | None = None  # the last event queued
-        self._cut = False
+    def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None,
+               caller: Caller = SERVER) -> list[JobEvent]:
+        """The job's kept events of seq above `after` (at most `limit`), of a
+        job held or a failed one kept; for a sealed job, given its secret (None:
+        not checked).
 
-    def offer(self, event: JobEvent, limit: int) -> None:
-        if self._cut:
-            return
-        last = self._last
-        if last is not None and (event.seq < last.seq or (event.seq == last.seq and event == last)):
-            return  # the snapshot held it already
-        if self.queue.qsize() >= limit:
-            self._cut = True
-            self.queue.put_nowait(TOO_SLOW)
-            return
-        self._last = event
-        self.queue.put_nowait(event)
-
-    def end(self, why: Exception | None = JOB_GONE) -> None:
-        if not self._cut:
-            self._cut = True
-            self.queue.put_nowait(why)
-
-
-class Watchers:
-    """The open watches, by job."""
-
-    QUEUE = 1024  # events a watch may hold for its reader before it is cut off
-
-    def __init__(self) -> None:
-        self._by_job: dict[str, set[Watch]] = {}
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def open(self, job_id: str, snapshot: Iterable[JobEvent]) -> Watch:
-        """A watch of `job_id` that first reads `snapshot` (taken in the same
-        step, with no await between: nothing published falls in between)."""
-        watch = Watch(job_id)
-        for event in snapshot:  # at most max_events_per_job: never cut
-            watch.offer(event, sys.maxsize)
-        self._by_job.setdefault(job_id, set()).add(watch)
-        self._count += 1
-        return watch
-
-    def close(self, watch: Watch) -> None:
-        watches = self._by_job.get(watch.job_id)
-        if watches is not None and watch in watches:
-            watches.discard(watch)
-            self._count -= 1
-            if not watches:
-                del self._by_job[watch.job_id]
-
-    def publish(self, job_id: str, event: JobEvent | None) -> None:
-        """Hands a durable event to the job's watches (None: the job is gone, and so are they)."""
-        watches = self._by_job.get(job_id)
-        if not watches:
-            return
-        if event is JOB_GONE:
-            for watch in watches:
-                watch.end()
-            return
-        for watch in watches:
-            watch.offer(event, self.QUEUE)
-
-    def end_all(self, why: Exception) -> None:
-        """Ends every watch with `why` (the server stops serving)."""
-        for watches in self._by_job.values():
-            for watch in watches:
-                watch.end(why)
+        Raises:
+            NotFound: an unknown job.
+            PermissionDenied: the job is sealed and `secret` does not open it.
+        """
+        job = self._jobs.get(job_id)
+        if job is not None:
+            seal, history = job.seal, job.events
+        elif job_id in self._failed:
+            view, _, history = self._failed[job_id]
+            seal = view.seal
+        else:
+            raise NotFound(f"no job {elide(job_id)} on this server")
+        self._unseal(job_id, seal, secret, caller, "give its job_secret to read its events")
+        out = []
+        for event in reversed(history):  # the newest first: a follower asks for a few after its cursor
+            if event.seq <= after:
+                break
+            out.append(event)
+        out.reverse()
+        return out if limit is None else out[:limit]

@@ -1,84 +1,20 @@
 """The rendezvous model: jobs, nodes and members as the state machine holds
-them, and the values that cross its boundary (requests, assignments, session
-events, waiter outcomes, views). Pure: no asyncio, no grpc."""
+them, and the values that cross its boundary (assignments, session events,
+waiter outcomes, views; the validated requests are params.py's). Pure: no
+asyncio, no grpc."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import enum
-import hashlib
-import hmac
 import math
-import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from commctx.addresses import canonical_ip
 
-from ..errors import InvalidArgument
-from ..planning import NODE_KEY, Candidate, JobSpec, Placement, WorldPlan, check_name, check_role, elide
-
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
-CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
-MEMBER_SECRET = re.compile(r"[0-9a-f]{32,128}")
-MAX_NODE_WORKERS = 1024  # workers of one node membership: its Join answers with each one's assignment
-
-
-def check_job_id(value: str) -> str:
-    if not value:
-        raise InvalidArgument("job_id is empty")
-    if len(value) > 128:
-        raise InvalidArgument(f"job_id {elide(value, 32)} is {len(value)} characters; at most 128 allowed")
-    return check_name("job_id", value, JOB_ID, "use letters, digits, '.', '_' and '-', starting with a letter or digit")
-
-
-def check_member_id(value: str) -> str:
-    if not value:
-        raise InvalidArgument("member_id is empty")
-    return check_name("member_id", value, MEMBER_ID, "a member id is the hex string Join returned")
-
-
-def secret_digest(secret: str) -> str:
-    """The SHA-256 digest (hex) under which a member secret is kept.
-
-    Raises:
-        InvalidArgument: the secret is malformed (the message never echoes it).
-    """
-    if not MEMBER_SECRET.fullmatch(secret):
-        raise InvalidArgument(f"member_secret is malformed ({len(secret)} characters): give 32-128 lowercase hex digits")
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def job_secret_digest(secret: str) -> str:
-    """The SHA-256 digest (hex) under which a job secret is kept.
-
-    Raises:
-        InvalidArgument: the secret is malformed (the message never echoes it).
-    """
-    if not 16 <= len(secret) <= 256 or not secret.isascii() or not secret.isprintable() or " " in secret:
-        raise InvalidArgument(f"job_secret is malformed ({len(secret)} characters): give 16-256 printable ASCII characters, "
-                              f"no spaces")
-    return hashlib.sha256(b"job:" + secret.encode()).hexdigest()
-
-
-def job_secret_matches(seal: str, secret: str) -> bool:
-    """Whether `secret` opens a job sealed with `seal` ("" : an open job, which any call opens)."""
-    if not seal:
-        return True
-    try:
-        return hmac.compare_digest(seal, job_secret_digest(secret))
-    except InvalidArgument:
-        return False
-
-
-def secret_matches(digest: str, secret: str) -> bool:
-    """Whether `secret` is the one kept as `digest` ("" keeps none: any matches), in constant time."""
-    if not digest:
-        return True
-    return MEMBER_SECRET.fullmatch(secret) is not None and hmac.compare_digest(digest, secret_digest(secret))
-
+from ..planning import Candidate, JobSpec, Placement, WorldPlan
+from .params import JoinParams
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -95,69 +31,6 @@ class Limits:
     max_connection_age_s: float = 3600.0  # then GOAWAY; calls in flight get max_join_wait_s + 1 s more
     max_events_per_job: int = 1000  # a job's history keeps its last this many events
     caller_share: float = 0.25  # what one caller (token, client certificate or peer address) may hold of each limit
-
-
-class JoinParams(NamedTuple):
-    """A validated join request. Build with `JoinParams.build`."""
-
-    job_id: str
-    spec: JobSpec
-    node_key: str
-    address: str
-    port: int  # a port the worker holds in LISTEN (its spare: rank 0 serves the TCPStore on it)
-    local_rank: int | None = None
-    node_rank: int | None = None
-    loopback: bool = False  # whether `address` is a loopback address
-    role: str = ""
-    member_id: str = ""  # client-chosen, to re-attach; empty: the server picks
-    secret: str = ""  # digest of the member secret ("": none, as for members of schema 2)
-    seal: str = ""  # digest of the job secret ("": an open job)
-    workers: int = 1  # >1: a node membership (a launcher's agent) holding local ranks 0..workers-1 of its node
-
-    @classmethod
-    def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
-              node_rank: int | None = None, role: str = "", member_id: str = "", member_secret: str = "",
-              job_secret: str = "", workers: int = 1) -> JoinParams:
-        """Validates a join request.
-
-        Raises:
-            InvalidArgument: naming the first bad field and its value.
-        """
-        check_job_id(job_id)
-        if not node_key:
-            raise InvalidArgument("node_key is empty")
-        if len(node_key) > 253:
-            raise InvalidArgument(f"node_key {elide(node_key, 32)} is {len(node_key)} characters; at most 253 allowed")
-        check_name("node_key", node_key, NODE_KEY, "use letters, digits, '.', '_', ':' and '-', starting with a letter or digit")
-        if role:
-            check_role(role)
-        try:
-            address, loopback = canonical_ip(address)
-        except ValueError as exc:
-            raise InvalidArgument(f"address {exc}; advertise an address peers can reach") from None
-        if not 1 <= port <= 65535:
-            raise InvalidArgument(f"master_port {port} is out of range 1..65535")
-        if spec.nodes and local_rank is not None:
-            raise InvalidArgument(f"local_rank {local_rank} cannot be given in a job of nodes: each Join is a node, "
-                                  f"holding local ranks 0..workers-1")
-        if local_rank is not None and local_rank >= spec.world_size:
-            raise InvalidArgument(f"local_rank {local_rank} is not below world_size {spec.world_size}")
-        if node_rank is not None and node_rank >= spec.world_size:
-            raise InvalidArgument(f"node_rank {node_rank} is not below {'nodes.max' if spec.nodes else 'world_size'} "
-                                  f"{spec.world_size}")
-        most = MAX_NODE_WORKERS if spec.nodes else min(spec.world_size, MAX_NODE_WORKERS)
-        if not 1 <= workers <= most:
-            raise InvalidArgument(f"workers {workers} is out of range 1..{most} "
-                                  f"({'a job of nodes' if spec.nodes else f'world_size {spec.world_size}'}; "
-                                  f"a node membership holds at most {MAX_NODE_WORKERS})")
-        if workers > 1 and local_rank is not None:
-            raise InvalidArgument(f"local_rank {local_rank} cannot be given with workers {workers}: "
-                                  f"a node membership holds local ranks 0..{workers - 1}")
-        if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
-            raise InvalidArgument(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
-        secret = secret_digest(member_secret) if member_secret else ""
-        seal = job_secret_digest(job_secret) if job_secret else ""
-        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal, workers)
 
 
 class JobState(enum.Enum):

@@ -226,3 +226,8 @@ def seating_from_record(record: dict[str, Any]) -> Seating:
         record["master_addr"],
         record["master_port"],
     )
+
+
+def member_record(member_id: str, m) -> MemberRecord:
+    """The stored form of a member of the state machine (model.Member)."""
+    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role, m.secret, m.workers)

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import Closed, Conflict, NotFound, Unavailable, WaitTimeout
 from .deadlines import Deadlines
-from .machine import Actions
-from .model import JobStopped, Joined, JoinParams, MemberGone, NewWorld, WaitOutcome, secret_digest
+from .actions import Actions
+from .model import JobStopped, Joined, MemberGone, NewWorld, WaitOutcome
+from .params import JoinParams, secret_digest
 from .shares import WAITING, Caller
 
 if TYPE_CHECKING:

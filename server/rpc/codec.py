@@ -48,13 +48,13 @@ from ..rendezvous.model import (
     JobEvent,
     JobState,
     JobView,
-    JoinParams,
     Limits,
     NewWorld,
     SessionEvent,
     WorldChange,
     worker_id,
 )
+from ..rendezvous.params import JoinParams
 
 log = logging.getLogger("commctx.server")
 

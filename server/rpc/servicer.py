@@ -17,9 +17,10 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from ..errors import InvalidArgument, LimitExceeded, NotFound, SessionReplaced, Unavailable, WaitTimeout
 from ..planning import elide
 from ..rendezvous.executor import Executor
-from ..rendezvous.history import JOB_GONE, TooSlow
+from ..rendezvous.watching import JOB_GONE, TooSlow
 from ..rendezvous.machine import Rendezvous
-from ..rendezvous.model import Gone, Replaced, check_job_id, check_member_id
+from ..rendezvous.model import Gone, Replaced
+from ..rendezvous.params import check_job_id, check_member_id
 from ..rendezvous.shares import STREAMS, Caller
 from ..rendezvous.waiting import Joining, Waiters
 from . import codec

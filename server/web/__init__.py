@@ -39,8 +39,9 @@ from aiohttp import web
 
 from ..errors import NotFound, PermissionDenied, RendezvousError
 from ..planning import expand
-from ..rendezvous.history import JOB_GONE, TooSlow
-from ..rendezvous.model import JobEvent, JobView, check_job_id
+from ..rendezvous.watching import JOB_GONE, TooSlow
+from ..rendezvous.model import JobEvent, JobView
+from ..rendezvous.params import check_job_id
 from ..rendezvous.shares import SERVER, TOKEN, Caller
 from ..rpc.auth import ADMIN, Callers
 

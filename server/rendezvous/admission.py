@@ -1,0 +1,253 @@
+"""Admission: who may join a job and on what terms; what a Join, a re-attaching
+Join, a refused one and a withdrawn one do to the job.
+
+A mixin of `Rendezvous` (machine.py): one concern of the state machine per
+file; the state is the machine's."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+
+from ..errors import (
+    AlreadyExists,
+    Closed,
+    Conflict,
+    JobFull,
+    LimitExceeded,
+    PermissionDenied,
+    RendezvousError,
+)
+from .actions import Actions
+from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note
+from .params import JoinParams
+from .shares import JOBS, SERVER, Caller
+from .store import PutJob, PutMember, member_record
+
+log = logging.getLogger("commctx.server")
+
+
+class Admission:
+    """Joining, re-attaching, the checks a Join passes, and withdrawing a Join that ended unplaced."""
+
+    def join(self, p: JoinParams, caller: Caller = SERVER) -> tuple[Joined, Actions, NewWorld | None]:
+        """Registers a worker, or re-attaches one that joined before with the
+        same member id; forms the world when the spec allows.
+
+        Returns:
+            The membership, the actions, and the world the worker already sits
+            in (a re-attached member of a formed world), else None.
+
+        Raises:
+            Conflict: the spec, a node rank, a role or the address family
+                disagrees with the job, the job has failed or ended, or a
+                member id is reused with other parameters.
+            AlreadyExists: the local rank or node rank is held by another worker.
+            JobFull: the job (or the role) already has all its workers.
+            LimitExceeded: the server holds its maximum of members or jobs, or
+                the caller its share of jobs (shares.py).
+        """
+        job = self._jobs.get(p.job_id)
+        if job is not None:
+            try:
+                self._check_seal(job, p, caller)  # first: a stranger learns nothing about a sealed job
+                if p.member_id and p.member_id in job.members:
+                    return self._reattach(job, p)
+                self._check_admissible(job, p)
+                node = job.nodes.get(p.node_key)
+                if node is not None:
+                    self._check_node(job, node, p)
+                elif p.node_rank is not None and p.node_rank in job.node_ranks:
+                    raise AlreadyExists(
+                        f"node_rank {p.node_rank} is already held by node {job.node_ranks[p.node_rank]!r} "
+                        f"in job {p.job_id!r}; node {p.node_key!r} cannot take it"
+                    )
+                self._check_room(p)
+            except RendezvousError as exc:
+                self._refused(job, p, exc)
+                raise
+        else:
+            self._check_room(p)
+        kept = self._failed.get(p.job_id) if job is None else None
+        if kept is not None and kept[0].state is JobState.CLOSED:
+            raise Closed(f"job {p.job_id!r} was closed: {kept[0].reason}; it takes no more joins for "
+                         f"{max(0.0, kept[1] - self._clock()):.0f} s (use another job id)")
+        if job is None and len(self._jobs) >= self.limits.max_jobs:
+            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
+                                f"job {p.job_id!r} cannot be created now")
+        if job is None:
+            p.spec.check_declared(p.job_id, p.role)
+            self.shares.take(JOBS, caller)  # last: nothing to give back if it refuses
+        now = self._clock()
+        actions = Actions()
+        if job is None:
+            if self._failed.pop(p.job_id, None) is not None:
+                actions.events.append((p.job_id, None))  # the failed job of this id is gone: its watches end
+            job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now)
+            job.seal, job.creator = p.seal, caller
+            actions.writes.append(PutJob(self._record(job)))
+        member_id = p.member_id or self._new_member_id()
+        self._seq += 1
+        member = self._add_member(job, member_id, p, self._seq)
+        self._members += 1
+        job.last_arrival = now
+        actions.writes.append(PutMember(job.job_id, member_record(member_id, member)))
+        actions.notes.append(Note("join", {"job": job.job_id, "member": member_id, "node": member.node_key, "role": p.role,
+                                           "joined": job.workers, "world_size": job.spec.world_size}))
+        what = f"{p.workers} workers of node {p.node_key!r}" if p.workers > 1 else f"a worker of node {p.node_key!r}"
+        self._event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; {job.count()}",
+                    actions, member=member_id, node=p.node_key, role=p.role, workers=p.workers)
+        if job.state is JobState.FORMED:
+            waiting = job.workers - job.placed
+            if (job.workers == len(job.members) and not job.spec.nodes) or self._grows(job):
+                self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
+        else:
+            self._maybe_form(job, actions)
+        self._arm_last_call(job)
+        return Joined(job.job_id, member_id, self.lease_ttl_s, job.workers), actions, None
+
+    def _check_room(self, p: JoinParams) -> None:
+        if self._members >= self.limits.max_members:
+            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_members} members (--max-members); "
+                                f"node {p.node_key!r} cannot join job {p.job_id!r} now")
+
+    def _refused(self, job: Job, p: JoinParams, exc: RendezvousError) -> None:
+        """Counts a refused join in the job; records it in the job's history
+        unless the same refusal was recorded within Refusals.QUIET_S."""
+        reason = str(exc)
+        held = job.refused.note(reason, self._clock())
+        if held is not None:
+            more = f" ({held} more like it since the last)" if held else ""
+            self._event(job, EventKind.REFUSED, f"refused node {p.node_key!r}: {reason}{more}", self._outbox,
+                        node=p.node_key, error=type(exc).__name__, held=held)
+
+    @property
+    def has_outbox(self) -> bool:
+        return bool(self._outbox)
+
+    def take_outbox(self) -> Actions:
+        """What transitions that raised still implied (refusals' events), to carry out now."""
+        out, self._outbox = self._outbox, Actions()
+        return out
+
+    @staticmethod
+    def _add_member(job: Job, member_id: str, p: JoinParams, seq: int) -> Member:
+        """Enters a member in the job's node, rank and role bookkeeping (undone by _remove)."""
+        node = job.nodes.get(p.node_key)
+        if node is None:
+            node = job.nodes[p.node_key] = Node(p.node_key, p.address)
+        if p.node_rank is not None and node.node_rank is None:
+            node.node_rank = p.node_rank
+            job.node_ranks[p.node_rank] = node.key
+        if p.local_rank is not None:
+            node.local_ranks[p.local_rank] = member_id
+        if p.workers > 1 or job.spec.nodes:  # a node membership: its node alone
+            node.agent = member_id
+        node.workers += p.workers
+        node.roles[p.role] = node.roles.get(p.role, 0) + p.workers
+        job.role_counts[p.role] = job.role_counts.get(p.role, 0) + p.workers
+        job.workers += p.workers
+        job.version += 1
+        member = job.members[member_id] = Member(node, p, seq)
+        return member
+
+    def _reattach(self, job: Job, p: JoinParams) -> tuple[Joined, Actions, NewWorld | None]:
+        member = job.members[p.member_id]
+        same = (member.node_key, member.address, member.local_rank, member.node_rank, member.role, member.workers) == (
+            p.node_key, p.address, p.local_rank, p.node_rank, p.role, p.workers)
+        if not same or job.spec != p.spec:
+            raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with other parameters")
+        if member.secret != p.secret:
+            raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with another member_secret; "
+                           f"re-attach with the same one, or join with a new member_id")
+        actions = Actions()
+        joined = Joined(job.job_id, p.member_id, self.lease_ttl_s, job.workers)
+        if job.in_world(p.member_id):
+            if job.state is JobState.FORMED:
+                return joined, actions, NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
+            return joined, actions, None
+        member.lease, member.lease_deadline = Lease.IN_JOIN, math.inf  # bound to this call again
+        if member.port != p.port:
+            member.port = p.port
+            job.version += 1
+            actions.writes.append(PutMember(job.job_id, member_record(p.member_id, member)))
+        self._maybe_form(job, actions)
+        return joined, actions, None
+
+    def _check_seal(self, job: Job, p: JoinParams, caller: Caller) -> None:
+        self.guesses.check(caller, job.job_id)
+        if job.seal and not hmac.compare_digest(job.seal, p.seal):
+            self.guesses.failed(caller, job.job_id)
+            raise PermissionDenied(f"job {job.job_id!r} is sealed: this join's job_secret is missing or wrong")
+        if p.seal and not job.seal:
+            raise Conflict(f"job {job.job_id!r} is not sealed, but this join carries a job_secret; "
+                           f"every worker of a job passes the same one, or none")
+
+    def _check_admissible(self, job: Job, p: JoinParams) -> None:
+        if job.spec != p.spec:
+            raise Conflict(f"job {job.job_id!r} has {job.spec.difference(p.spec)}")
+        if job.state is JobState.CLOSED:
+            raise Closed(f"job {job.job_id!r} was closed: {job.reason}")
+        if job.state is JobState.FAILED:
+            raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
+        if job.state is JobState.ENDED:
+            raise Conflict(f"job {job.job_id!r} has ended ({job.reason}); use another job id or wait until its members have left")
+        if job.spec.nodes:  # a job of nodes: beyond its maximum, as many again wait as standbys
+            if job.units >= 2 * job.spec.world_size:
+                raise JobFull(f"job {job.job_id!r} has all {job.spec.world_size} nodes and as many standbys; node "
+                              f"{p.node_key!r} cannot join it")
+        elif job.workers + p.workers > job.spec.world_size:
+            if job.workers >= job.spec.world_size:
+                raise JobFull(
+                    f"job {job.job_id!r} already has all {job.spec.world_size} workers "
+                    f"(generation {job.generation}); node {p.node_key!r} cannot join it"
+                )
+            raise JobFull(f"job {job.job_id!r} has {job.workers} of {job.spec.world_size} workers; node {p.node_key!r} "
+                          f"cannot add {p.workers} more")
+        job.spec.check_declared(job.job_id, p.role)
+        declared = job.spec.role_count(p.role)
+        held = job.role_counts.get(p.role, 0)
+        if declared is not None and held + p.workers > declared:
+            if held >= declared:
+                raise JobFull(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
+            raise JobFull(f"job {job.job_id!r} has {held} of its {declared} workers of role {p.role!r}; "
+                          f"node {p.node_key!r} cannot add {p.workers} more")
+        if p.loopback != job.loopback:
+            first = next(iter(job.nodes.values()))
+            raise Conflict(
+                f"job {job.job_id!r}: node {first.key!r} advertises {first.address} but this worker "
+                f"(node {p.node_key!r}) advertises {p.address}; a job cannot mix loopback and "
+                f"routable addresses, since peers on other hosts cannot reach a loopback address"
+            )
+
+    @staticmethod
+    def _check_node(job: Job, node: Node, p: JoinParams) -> None:
+        if node.agent or p.workers > 1:
+            raise AlreadyExists(f"node {node.key!r} of job {job.job_id!r} is already joined"
+                                f"{' as a whole node by its launcher' if node.agent else ''}; a node membership "
+                                f"(workers > 1) holds its node alone")
+        if p.node_rank is not None:
+            if node.node_rank is not None and node.node_rank != p.node_rank:
+                raise Conflict(
+                    f"node {node.key!r} of job {job.job_id!r} has node_rank {node.node_rank} but this "
+                    f"worker asked for node_rank {p.node_rank}"
+                )
+            holder = job.node_ranks.get(p.node_rank)
+            if holder is not None and holder != node.key:
+                raise AlreadyExists(f"node_rank {p.node_rank} is already held by node {holder!r} in job {job.job_id!r}")
+        if p.local_rank is not None and p.local_rank in node.local_ranks:
+            raise AlreadyExists(
+                f"local_rank {p.local_rank} on node {node.key!r} of job {job.job_id!r} is already held by another worker"
+            )
+
+    def withdraw(self, job_id: str, member_id: str) -> Actions:
+        """The member's Join call ended. Unless it was placed in a world, this
+        removes it; placed, its lease governs."""
+        actions = Actions()
+        job = self._jobs.get(job_id)
+        member = job.members.get(member_id) if job is not None else None
+        if member is None or member.lease is not Lease.IN_JOIN or job.in_world(member_id):
+            return actions
+        self._remove(job, member_id, "withdrawn", actions)
+        return actions

@@ -1,0 +1,268 @@
+"""Forming: when a job's next world forms, who sits in it, and what a job that
+cannot go on tells its members (FORMING -> FORMED, FAILED, ENDED, CLOSED).
+
+A mixin of `Rendezvous` (machine.py): one concern of the state machine per
+file; the state is the machine's."""
+
+from __future__ import annotations
+
+import logging
+
+from ..planning import JobSpec, PlanError, WorldPlan, elide, plan_world
+from .actions import Actions
+from .model import (
+    EventKind,
+    Gone,
+    Job,
+    JobState,
+    JobStopped,
+    Lease,
+    NewWorld,
+    Note,
+    PlanRequest,
+    WorldChange,
+)
+from .store import PutJob, PutMember, member_record
+
+log = logging.getLogger("commctx.server")
+
+
+def plan_or_error(candidates: list, spec: JobSpec) -> WorldPlan | PlanError:
+    """`plan_world`, any failure as a PlanError: a planner bug fails the one job
+    it meets, saying so, instead of a Join half done or a server error."""
+    try:
+        return plan_world(candidates, spec)
+    except PlanError as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001 - a bug; logged with its traceback for the report
+        log.exception("planner_failed")
+        return PlanError(f"the planner failed on this spec ({type(exc).__name__}: {elide(str(exc))}); "
+                         "this is a commctx bug, please report it with the spec")
+
+
+class Forming:
+    """Re-forming a world, choosing its members, seating the plan, stopping a job."""
+
+    def _change(self, job: Job, reason: str, actions: Actions, confirmed: str | None = None) -> None:
+        """FORMED -> FORMING: the world of this generation is to be replaced.
+        With `confirmed`, every other survivor is awaited until it renews."""
+        now = self._clock()
+        job.state = JobState.FORMING
+        job.forming_since = now
+        job.reason = reason
+        job.announced = False
+        stale_before = now + self.lease_ttl_s / 2
+        job.suspects = {mid for mid in job.survivors()
+                        if job.members[mid].lease_deadline < stale_before or (confirmed is not None and mid != confirmed)}
+        actions.notes.append(Note("reforming", {"job": job.job_id, "generation": job.generation, "reason": reason}))
+        self._event(job, EventKind.REFORMING, f"generation {job.generation} is re-forming: {reason}", actions, reason=reason)
+        self._maybe_form(job, actions)
+        if job.state is JobState.FORMING:
+            self._announce(job, actions)
+            actions.writes.append(PutJob(self._record(job)))
+
+    def _announce(self, job: Job, actions: Actions) -> None:
+        """Tells the survivors that the world is re-forming (once per change),
+        unless the plan of the next world is already being computed: then its
+        assignment, a few milliseconds later, is the one message they need."""
+        if job.announced or job.planning == job.version:
+            return
+        job.announced = True
+        change = WorldChange(job.generation, job.reason)
+        for mid in job.survivors():
+            sink = job.members[mid].session
+            if sink is not None:
+                actions.pushes.append((sink, change))
+
+    def _formable(self, job: Job) -> int | None:
+        """How many workers the next world takes now, or None to keep waiting."""
+        spec = job.spec
+        if job.state is not JobState.FORMING or job.suspects:
+            return None
+        if spec.nodes:
+            return self._formable_nodes(job)
+        n = job.workers
+        if n >= spec.world_size:
+            n = spec.world_size if spec.admissible(spec.world_size) else None
+        elif spec.min_size is None or n < spec.min_size:
+            return None
+        # The last call collects arrivals; survivors re-forming without
+        # newcomers have nobody to wait for.
+        elif n > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
+            return None
+        else:
+            n = spec.largest_world(n)
+        if n is not None and job.workers != len(job.members):  # node memberships: whole ones only
+            n = len(self._candidates(job, n))
+            if n < spec.min_world or not spec.admissible(n):
+                return None  # they fit no admissible size: wait for others to come or go
+        return n
+
+    def _formable_nodes(self, job: Job) -> int | None:
+        """_formable for a job of nodes: as many nodes as its maximum allows (the
+        survivors first, then in join order), or at least its minimum once the
+        last call has passed; in workers, a multiple of its layout's step."""
+        spec, n = job.spec, job.units
+        if n < spec.min_world:
+            return None
+        if n < spec.world_size and job.workers > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
+            return None  # the last call collects arrivals; survivors re-forming alone have nobody to wait for
+        sizes = [job.members[mid].workers for mid in self._member_order(job)][:spec.world_size]
+        while len(sizes) >= spec.min_world:
+            workers = sum(sizes)
+            if workers % spec.step == 0:
+                return workers
+            sizes.pop()
+        return None
+
+    def _maybe_form(self, job: Job, actions: Actions) -> None:
+        n = self._formable(job)
+        if n is not None:
+            self._form(job, n, actions)
+
+    def _grows(self, job: Job) -> bool:
+        """Whether the node memberships present fit a world larger than the formed one."""
+        if job.spec.nodes:
+            return job.plan.num_nodes < job.spec.world_size and job.units > job.plan.num_nodes
+        size = job.spec.largest_world(min(job.workers, job.spec.world_size))
+        return size is not None and len(self._candidates(job, size)) > job.placed
+
+    @staticmethod
+    def _seats(job: Job) -> dict[str, tuple[int, int]]:
+        """The (node rank, local rank) in the world being replaced of each member still here."""
+        previous, members = job.plan, job.members
+        seats: dict[str, tuple[int, int]] = {}
+        if previous is not None:
+            for node_rank, node in enumerate(previous.seating.nodes):
+                for local_rank, mid in enumerate(node.members):
+                    if mid in members:
+                        seats[mid] = (node_rank, local_rank)
+        return seats
+
+    @classmethod
+    def _member_order(cls, job: Job, seats: dict[str, tuple[int, int]] | None = None) -> list[str]:
+        """Members in the order the next world takes them: survivors first, in
+        their previous rank order (the seating's), then newcomers in join order."""
+        seats = cls._seats(job) if seats is None else seats
+        return [*seats, *(mid for mid in job.members if mid not in seats)] if seats else list(job.members)
+
+    @classmethod
+    def _candidates(cls, job: Job, n: int) -> list:
+        """The next world's workers, in _member_order; whole members, so at most `n`."""
+        members = job.members
+        seats = cls._seats(job)
+        candidates = []
+        for mid in cls._member_order(job, seats):
+            m = members[mid]
+            if len(candidates) + m.workers <= n:
+                candidates += m.candidates(mid, seats.get(mid))
+                if len(candidates) == n:
+                    break
+        return candidates
+
+    def _form(self, job: Job, n: int, actions: Actions) -> None:
+        candidates = self._candidates(job, n)
+        spec = job.spec.at_size(n)
+        if n > self.plan_inline_max:
+            if job.planning != job.version:  # else the plan for exactly these candidates is on its way
+                job.planning = job.version
+                actions.plans.append(PlanRequest(job.job_id, job.version, tuple(candidates), spec))
+            return
+        self._seat(job, plan_or_error(candidates, spec), actions)
+
+    def planned(self, request: PlanRequest, plan: WorldPlan | PlanError) -> Actions:
+        """The plan of `request`, computed off the event loop, is ready. It is
+        applied unless the job changed since it was requested; then the job is
+        planned again from what it holds now."""
+        actions = Actions()
+        job = self._jobs.get(request.job_id)
+        if job is None or job.planning != request.version:
+            return actions  # gone, or superseded by a later request
+        job.planning = -1
+        if job.version != request.version or self._formable(job) != request.spec.world_size:
+            self._maybe_form(job, actions)
+            if job.state is JobState.FORMING and job.generation > 0:
+                self._announce(job, actions)  # survivors wait longer: tell them now
+        else:
+            self._seat(job, plan, actions)
+        return actions
+
+    def hold_worlds(self, why: str | None) -> Actions:
+        """While `why` is set (the store refuses writes), jobs stay FORMING: a
+        world nobody could be told of durably is not formed. None lifts the hold
+        and forms every job that can form (linear in the number of jobs)."""
+        self._held = why
+        actions = Actions()
+        if why is None:
+            for job in list(self._jobs.values()):
+                if job.state is JobState.FORMING:
+                    self._maybe_form(job, actions)
+        return actions
+
+    def _seat(self, job: Job, plan: WorldPlan | PlanError, actions: Actions) -> None:
+        """FORMING -> FORMED with `plan` (or FAILED with the reason it could not be planned)."""
+        if self._held is not None:
+            return  # hold_worlds(None) plans it again
+        if isinstance(plan, PlanError):
+            self._stop(job, JobState.FAILED, str(plan), "cannot form", actions)
+            return
+        if plan.master_port == 0:
+            # Rank 0's spare port serves an earlier world's store and it has
+            # not offered another yet: await it like a survivor not heard from.
+            job.suspects.add(plan.seating.nodes[0].members[0])
+            self._announce(job, actions)
+            return
+        now = self._clock()
+        previous = job.plan
+        reason = job.reason if previous is not None else ""
+        job.state = JobState.FORMED
+        job.generation += 1
+        job.previous_plan, job.plan = previous, plan
+        job.reason, job.suspects, job.announced = reason, set(), False
+        job.placed = plan.world_size
+        members = job.members
+        first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
+        for mid in plan.ranks:
+            m = members.get(mid)  # None: a node membership's further workers (worker_id)
+            if m is not None and m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
+                m.lease, m.lease_deadline = Lease.FIRST, first_lease
+                self._queue(job.job_id, mid, m, first_lease)
+        rank0 = plan.seating.nodes[0].members[0]
+        members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
+        actions.writes.append(PutMember(job.job_id, member_record(rank0, members[rank0])))
+        formed_in_s, job.forming_since = now - job.forming_since, now  # the record keeps the formed world's start
+        actions.writes.append(PutJob(self._record(job)))
+        world = NewWorld(job.job_id, job.generation, plan, previous, reason)
+        if previous is not None:
+            change = WorldChange(job.generation - 1, reason)
+            for mid, m in members.items():
+                if m.session is not None:
+                    if mid in plan.ranks:
+                        actions.pushes.append((m.session, world))
+                    elif mid in previous.ranks:  # a survivor this world has no seat for: it waits for the next
+                        actions.pushes.append((m.session, change))
+        actions.wakes.append((job.job_id, world))
+        actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,
+                                             "nodes": plan.num_nodes, "seconds": round(formed_in_s, 3)}))
+        self._event(job, EventKind.FORMED, f"generation {job.generation} formed: {plan.world_size} worker"
+                                           f"{'s' * (plan.world_size != 1)} on {plan.num_nodes} node{'s' * (plan.num_nodes != 1)} "
+                                           f"in {formed_in_s:.2f} s" + (f" ({reason})" if reason else ""),
+                    actions, world_size=plan.world_size, nodes=plan.num_nodes, seconds=round(formed_in_s, 3), reason=reason)
+
+    def _stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
+        """The job cannot go on: FAILED, ENDED or CLOSED. Every session and waiter hears why."""
+        job.state, job.reason, job.suspects = state, reason, set()
+        failed, closed = state is JobState.FAILED, state is JobState.CLOSED
+        actions.notes.append(Note("failed" if failed else "ended", {"job": job.job_id, "reason": reason}))
+        self._event(job, EventKind.FAILED if failed else EventKind.ENDED,
+                    f"{'failed' if failed else 'closed' if closed else 'finished'}: {reason}", actions, reason=reason)
+        actions.writes.append(PutJob(self._record(job)))
+        gone = Gone(f"job {job.job_id!r} {verb}: {reason}", not failed, closed)
+        actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
+        stopped = f"job {job.job_id!r} was closed: {reason}" if closed else f"job {job.job_id!r} cannot form: {reason}"
+        actions.wakes.append((job.job_id, JobStopped(stopped, closed)))
+
+    def _arm_last_call(self, job: Job) -> None:
+        if job.state is JobState.FORMING and job.spec.min_size is not None and not job.last_call_armed:
+            job.last_call_armed = True
+            self._last_calls.push(job.last_arrival + job.spec.last_call_s, job.job_id)

@@ -1,0 +1,363 @@
+"""Leases: sessions, renewals and the deadlines that end memberships. A
+member's lease is in one of the named states of model.Lease; its deadline
+waits in a heap (deadlines.py) whose entries are lazy: a renewal pushes
+nothing, and `_queue` pushes only a deadline earlier than the member's live
+entry (leaving a stretched first lease, a reconnect grace).
+
+A mixin of `Rendezvous` (machine.py): one concern of the state machine per
+file; the state is the machine's."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..errors import (
+    InvalidArgument,
+    StaleGeneration,
+)
+from .actions import Actions
+from .model import (
+    DISCONNECTED,
+    EventKind,
+    Gone,
+    Job,
+    JobState,
+    Lease,
+    Member,
+    MemberGone,
+    NewWorld,
+    Note,
+    Replaced,
+    SessionEvent,
+    WorldChange,
+)
+from .shares import JOBS, SERVER, Caller
+from .store import DeleteJob, DeleteMember, PutJob, PutMember, member_record
+
+log = logging.getLogger("commctx.server")
+
+# Why a member was removed ("left", "expired", "withdrawn", DISCONNECTED), as said to people.
+_SAID = {DISCONNECTED: "disconnected: session closed without leave"}
+
+
+class Leases:
+    """Sessions, renewals, restarts, leaving, and expiry; removing a member and what its loss does."""
+
+    def open_session(self, job_id: str, member_id: str, generation: int, sink: object,
+                     spare_port: int = 0, secret: str | None = None) -> tuple[float, list[SessionEvent], Actions]:
+        """Attaches a session sink to a member and renews its lease. `secret`
+        must be the member's (None: not checked; the RPC edge always checks).
+
+        A member holds one session: an older one still open is ended (Replaced),
+        and its end is no departure. A member whose session closed without a
+        Leave (DETACHED) takes its seat back here, within the reconnect grace:
+        nothing is announced.
+
+        Returns:
+            The lease TTL, the events the member missed (to send first), and actions.
+
+        Raises:
+            NotFound: unknown job or member, or not its secret.
+            StaleGeneration: the session names a generation older than one the
+                member's sessions named before (a stale process): it takes nothing over.
+        """
+        job = self._job(job_id)
+        member = self._member(job, member_id, secret)
+        if generation < member.generation:
+            raise StaleGeneration(f"member {member_id} of job {job_id!r} holds generation {member.generation}; a session "
+                                  f"naming generation {generation} cannot take over its membership")
+        older = member.session  # renew() below takes a DETACHED member back
+        missed: list[SessionEvent] = []
+        if job.state.over:  # a session opened after its job stopped: told at once, as the others were
+            verb = {JobState.FAILED: "cannot continue", JobState.ENDED: "finished", JobState.CLOSED: "was closed"}[job.state]
+            missed.append(Gone(f"job {job_id!r} {verb}: {job.reason}", job.state is not JobState.FAILED,
+                               job.state is JobState.CLOSED))
+        elif job.in_world(member_id):
+            if job.state is JobState.FORMED and generation < job.generation:
+                missed.append(NewWorld(job_id, job.generation, job.plan, job.previous_plan, job.reason))
+            elif job.state is JobState.FORMING and job.announced:
+                missed.append(WorldChange(job.generation, job.reason))
+        member.session = sink
+        _, actions = self.renew(job_id, member_id, generation, spare_port)
+        if older is not None and older is not sink:
+            actions.pushes.append((older, Replaced(f"member {member_id} of job {job_id!r} opened a newer session")))
+        return self.lease_ttl_s, missed, actions
+
+    def close_session(self, job_id: str, member_id: str, sink: object, departed: bool = False) -> Actions:
+        """The session of `sink` ended. `departed`: the client ended it (it
+        cancelled the stream, or its connection broke, as when its process is
+        killed) without a Leave; then, unless a new session reattaches within
+        the reconnect grace, the member is removed as an expired lease is. Any
+        other end (the server stopping or handing over, a newer session) leaves
+        the lease to run on. A paused process keeps its connection: only its
+        lease finds it.
+
+        Returns:
+            Actions (none to carry out, but the grace's deadline may be the next one).
+        """
+        actions = Actions()
+        job = self._jobs.get(job_id)
+        member = job.members.get(member_id) if job is not None else None
+        if member is None or member.session is not sink:
+            return actions
+        member.session = None
+        if departed and member.lease in (Lease.FIRST, Lease.RENEWING):
+            member.lease = Lease.DETACHED
+            member.lease_deadline = min(member.lease_deadline, self._clock() + self.reconnect_grace_s)
+            self._queue(job_id, member_id, member, member.lease_deadline)
+        return actions
+
+    def renew(self, job_id: str, member_id: str, generation: int, spare_port: int = 0) -> tuple[int, Actions]:
+        """Renews a member's lease; records a spare port it offers for a later world.
+
+        A spare port counts only from a member that holds the current
+        generation (an older message may still carry a port that rank 0 has
+        since given to the TCPStore).
+
+        Returns:
+            The job's current generation, and actions.
+
+        Raises:
+            InvalidArgument: a spare port out of range.
+            NotFound: unknown job or member.
+        """
+        if not 0 <= spare_port <= 65535:
+            raise InvalidArgument(f"spare_port {spare_port} is out of range 1..65535 (0: unchanged)")
+        job = self._job(job_id)
+        member = self._member(job, member_id)
+        actions = Actions()
+        if member.lease is Lease.DETACHED and generation >= member.generation:
+            member.lease = Lease.RENEWING  # heard from within the grace (a KeepAlive, or a session reattaching)
+        if member.generation < generation <= job.generation:  # a later one is nonsense, and would lock the member out
+            member.generation = generation
+        if member.lease is Lease.RENEWING:  # the common case: the heap entry is lazy, nothing is pushed
+            member.lease_deadline = self._clock() + self.lease_ttl_s
+        elif member.lease is Lease.FIRST:
+            # Leaving a first lease, which may be stretched far past TTL: the one
+            # push this costs makes last renewal + TTL the bound from now on.
+            member.lease, member.lease_deadline = Lease.RENEWING, self._clock() + self.lease_ttl_s
+            self._queue(job_id, member_id, member, member.lease_deadline)
+        # IN_JOIN: bound to its Join call; DETACHED with an older generation: a stale process, the grace runs on
+        if spare_port and generation == job.generation and spare_port != member.port:
+            member.port = spare_port
+            job.version += 1
+            actions.writes.append(PutMember(job_id, member_record(member_id, member)))
+        if job.suspects and member_id in job.suspects and member.port:
+            job.suspects.discard(member_id)
+            self._maybe_form(job, actions)
+        return job.generation, actions
+
+    def restart(self, job_id: str, member_id: str, generation: int) -> Actions:
+        """A member's launcher restarts its workers after a failure: the world of
+        `generation` re-forms (generation + 1) with the members that renew their
+        lease now, so that every node restarts into a fresh world and a dead one
+        is left out once its lease runs out. Ignored unless `generation` is the
+        job's current, formed one: members asking at once cause one re-form.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        member = self._member(job, member_id)
+        actions = Actions()
+        if job.state is JobState.FORMED and generation == job.generation and job.in_world(member_id):
+            # A worker failing is often a peer's node dying: seat only survivors
+            # that renew after this (sessions renew at once on the WorldChange).
+            self._change(job, f"node {member.node_key!r} restarts its workers", actions, confirmed=member_id)
+        return actions
+
+    def keep_alive(self, job_id: str, member_id: str, generation: int, secret: str | None = None) -> tuple[float, int, Actions]:
+        """Renews a member's lease (the unary form), given its secret (None: not checked).
+
+        Returns:
+            (lease ttl in seconds, the job's current generation, actions).
+
+        Raises:
+            NotFound: unknown job or member, or not its secret.
+            StaleGeneration: `generation` is neither 0 nor the job's current one.
+        """
+        job = self._job(job_id)
+        self._member(job, member_id, secret)
+        if generation and generation != job.generation:
+            raise StaleGeneration(
+                f"member {member_id} of job {job_id!r} holds generation {generation} but the "
+                f"current generation is {job.generation}"
+            )
+        current, actions = self.renew(job_id, member_id, generation)
+        return self.lease_ttl_s, current, actions
+
+    def leave(self, job_id: str, member_id: str, secret: str | None = None, job_secret: str | None = None,
+              caller: Caller = SERVER, close: bool = False) -> Actions:
+        """Removes a member, given its secret and, for a sealed job, the job's
+        (None: not checked). With `close`, first closes the job for everyone
+        (torchrun's shutdown of the run): CLOSED, every member and waiter told,
+        later joins refused while the job is kept.
+
+        Raises:
+            PermissionDenied: the job is sealed and `job_secret` does not open it.
+            NotFound: unknown job or member, or not its secret.
+        """
+        job = self._job(job_id)
+        self._unseal(job_id, job.seal, job_secret, caller, "this leave's job_secret is missing or wrong")
+        member = self._member(job, member_id, secret)
+        actions = Actions()
+        if close and job.state is not JobState.CLOSED:
+            self._stop(job, JobState.CLOSED, f"node {member.node_key!r} closed it (its launcher shut the run down)",
+                       "was closed", actions)
+        self._remove(job, member_id, "left", actions)
+        return actions
+
+    def next_deadline(self) -> float:
+        """The earliest time (on the injected clock) at which `expire_due` may have work."""
+        return min(self._leases.next(), self._last_calls.next(), self._tombstones.next())
+
+    def expire_due(self, limit: int = 1000) -> tuple[Actions, bool]:
+        """Removes members whose lease ran out, forms elastic worlds whose last
+        call has passed, and forgets failed jobs kept long enough.
+
+        At most `limit` members are removed, and `2 * limit` lease entries
+        looked at, per call, so that an expiry storm (or ten thousand leases
+        of one world coming up for their lazy check at once) yields the event
+        loop between calls.
+
+        Returns:
+            The actions, and whether more is due already.
+        """
+        now = self._clock()
+        actions = Actions()
+        removed = popped = 0
+        while removed < limit and popped < 2 * limit:
+            entry = self._leases.pop_due(now)
+            if entry is None:
+                break
+            popped += 1
+            job_id, member_id = entry[1]
+            job = self._jobs.get(job_id)
+            member = job.members.get(member_id) if job is not None else None
+            if member is None or entry[0] != member.queued:
+                continue  # gone, or a stale entry (its live one is earlier or later)
+            member.queued = math.inf
+            if member.lease is Lease.IN_JOIN:
+                continue  # bound to a Join call again
+            if member.lease_deadline > now:
+                self._queue(job_id, member_id, member, member.lease_deadline)  # renewed since: wait for the new deadline
+                continue
+            self._remove(job, member_id, DISCONNECTED if member.lease is Lease.DETACHED else "expired", actions)
+            removed += 1
+        while (entry := self._last_calls.pop_due(now)) is not None:
+            job = self._jobs.get(entry[1])
+            if job is None:
+                continue
+            job.last_call_armed = False
+            if job.state is JobState.FORMING and job.spec.min_size is not None:
+                if now < job.last_arrival + job.spec.last_call_s:
+                    self._arm_last_call(job)
+                else:
+                    self._maybe_form(job, actions)
+        while (entry := self._tombstones.pop_due(now)) is not None:
+            kept = self._failed.get(entry[1])
+            if kept is not None and kept[1] <= now:
+                del self._failed[entry[1]]
+                actions.writes.append(DeleteJob(entry[1]))
+                actions.events.append((entry[1], None))  # gone: its watches end
+        return actions, self.next_deadline() <= now
+
+    def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
+        member = job.members.pop(member_id)
+        self._members -= 1
+        job.version += 1
+        in_world = job.in_world(member_id)
+        job.placed -= in_world * member.workers
+        job.workers -= member.workers
+        job.suspects.discard(member_id)
+        node = job.nodes[member.node_key]
+        node.workers -= member.workers
+        node.roles[member.role] -= member.workers
+        job.role_counts[member.role] -= member.workers
+        if member.local_rank is not None:
+            node.local_ranks.pop(member.local_rank, None)
+        if node.workers == 0:
+            del job.nodes[node.key]
+            if node.node_rank is not None:
+                job.node_ranks.pop(node.node_rank, None)
+        actions.writes.append(DeleteMember(job.job_id, member_id))
+        actions.notes.append(Note("removed", {"job": job.job_id, "member": member_id, "why": why}))
+        rank = job.plan.ranks.get(member_id) if in_world else None
+        where = f"node {member.node_key!r}" + (f", rank {rank}" if rank is not None else "")
+        said = "withdrew (its Join call ended before it was placed)" if why == "withdrawn" else _SAID.get(why, why)
+        self._event(job, EventKind.LEFT if why in ("left", "withdrawn") else EventKind.LOST,
+                    f"member {member_id} ({where}) {said}", actions, member=member_id, node=member.node_key,
+                    rank=rank, why=why)
+        if member.session is not None and why != "left":
+            actions.pushes.append((member.session, Gone(f"member {member_id} {_SAID.get(why, why)}")))
+        if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
+            actions.wakes.append((job.job_id, MemberGone(member_id)))
+        if not job.members:
+            del self._jobs[job.job_id]
+            self.shares.give(JOBS, job.creator)
+            if job.state in (JobState.FAILED, JobState.CLOSED):  # kept a while (also across a restart) to say why
+                self._retain(job, self.limits.retain_ended_s, actions)
+                actions.writes.append(PutJob(self._record(job, self._wall() + self.limits.retain_ended_s)))
+            else:
+                actions.writes.append(DeleteJob(job.job_id))
+                actions.events.append((job.job_id, None))  # gone: its watches end
+        elif in_world and job.generation > 0 and job.state in (JobState.FORMED, JobState.FORMING):
+            self._lost(job, member_id, member, why, actions)
+        elif job.state is JobState.FORMING:
+            self._maybe_form(job, actions)  # a waiting worker's leaving may be all that held the world back
+
+    def _retain(self, job: Job, for_s: float, actions: Actions) -> None:
+        """Keeps a failed job without workers for `for_s` seconds (at most
+        retain_ended_jobs of them: the oldest go first, from the store too)."""
+        until = self._clock() + for_s
+        self._failed[job.job_id] = (self._view(job), until, job.events)
+        while len(self._failed) > self.limits.retain_ended_jobs:
+            oldest = next(iter(self._failed))
+            del self._failed[oldest]
+            actions.writes.append(DeleteJob(oldest))
+            actions.events.append((oldest, None))
+        self._tombstones.push(until, job.job_id)
+
+    def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions) -> None:
+        """A member of a formed (or re-forming) world is gone."""
+        rank = job.plan.ranks.get(member_id)
+        what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {_SAID.get(why, why)}"
+        n, unit = (job.units, "node") if job.spec.nodes else (job.workers, "worker")
+        remain = f"{n} {unit}{'s' * (n != 1)} remain{'s' * (n == 1)}"
+        if job.units < job.spec.min_world and why == "left":  # members leaving: the job is finishing
+            reason = f"{what} and {remain} (the job needs {job.spec.min_world} to go on)"
+            self._stop(job, JobState.ENDED, reason, "finished", actions)
+        elif job.units < job.spec.min_world:
+            reason = f"{what}; {remain}, fewer than the minimum of {job.spec.min_world}"
+            self._stop(job, JobState.FAILED, reason, "cannot continue", actions)
+        elif job.state is JobState.FORMED:
+            self._change(job, what, actions)
+        else:
+            job.reason = what
+            self._maybe_form(job, actions)
+
+    def _queue(self, job_id: str, member_id: str, member: Member, deadline: float) -> None:
+        """Makes sure the lease heap holds an entry for the member due by
+        `deadline`: pushed only when its live entry is due later (a stretched
+        first lease, a grace shorter than the lease), so a renewal costs no push."""
+        if deadline < member.queued:
+            member.queued = deadline
+            self._leases.push(deadline, (job_id, member_id))
+
+    def _oldest_lease(self) -> float:
+        """The earliest lease deadline, bringing stale heap entries up to date on the way."""
+        while (top := self._leases.next()) != math.inf:
+            entry = self._leases.pop_due(top)
+            job_id, member_id = entry[1]
+            job = self._jobs.get(job_id)
+            member = job.members.get(member_id) if job is not None else None
+            if member is None or entry[0] != member.queued:
+                continue
+            member.queued = math.inf
+            if member.lease is Lease.IN_JOIN:
+                continue
+            self._queue(job_id, member_id, member, member.lease_deadline)
+            if member.lease_deadline == top:
+                return top
+        return math.inf

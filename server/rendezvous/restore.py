@@ -1,0 +1,69 @@
+"""Restoring: the jobs a store held, loaded after a restart or a failover.
+
+A mixin of `Rendezvous` (machine.py): one concern of the state machine per
+file; the state is the machine's."""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+from collections.abc import Iterable
+
+from ..planning import build_plan
+from .actions import Actions
+from .model import Job, JobState, Lease
+from .params import JoinParams
+from .shares import SERVER
+from .store import DeleteJob, JobRecord
+
+log = logging.getLogger("commctx.server")
+
+
+class Restoring:
+    """Loading a store's records into the machine."""
+
+    def restore(self, records: Iterable[JobRecord], grace_s: float) -> tuple[int, Actions]:
+        """Loads the jobs a store held after a restart.
+
+        Leases restart with `grace_s` to spare; forming members must re-attach
+        (retry their Join) within it. Survivors of a world that was re-forming
+        are awaited until they renew (their sessions reconnect) or expire.
+
+        Returns:
+            How many jobs were restored, and actions (jobs found empty are deleted).
+        """
+        now, wall = self._clock(), self._wall()
+        actions = Actions()
+        for record in records:
+            spec = record.spec
+            job = Job(record.job_id, spec, False, now)
+            job.state, job.generation, job.reason = JobState(record.state), record.generation, record.reason
+            job.seal, job.creator = record.seal, SERVER  # who created it is not stored: it counts against nobody's share
+            job.events = collections.deque(record.events, maxlen=self.limits.max_events_per_job)
+            if record.since:  # AGE goes on from when it began, not from the restart
+                job.forming_since = now - max(0.0, wall - record.since)
+            if record.world is not None:
+                job.plan = build_plan(record.world, spec.at_size(record.world.world_size))
+            for mr in record.members:
+                p = JoinParams(job.job_id, spec, mr.node_key, mr.address, mr.port, mr.local_rank, mr.node_rank, False, mr.role,
+                               mr.member_id, mr.secret, "", mr.workers)
+                m = self._add_member(job, mr.member_id, p, mr.seq)
+                self._members += 1
+                placed = job.in_world(mr.member_id)
+                job.placed += placed * m.workers
+                m.lease, m.lease_deadline = Lease.FIRST, now + (self.lease_ttl_s if placed else 0) + grace_s
+                self._queue(job.job_id, mr.member_id, m, m.lease_deadline)
+                self._seq = max(self._seq, mr.seq)
+            if not job.members:
+                if job.state in (JobState.FAILED, JobState.CLOSED) and record.retained_until > wall:
+                    self._retain(job, record.retained_until - wall, actions)
+                else:
+                    actions.writes.append(DeleteJob(job.job_id))
+                continue
+            if job.state is JobState.FORMING and job.generation > 0:
+                job.suspects, job.announced = set(job.survivors()), True
+            job.loopback = ipaddress.ip_address(next(iter(job.members.values())).address).is_loopback
+            self._jobs[job.job_id] = job
+            self._arm_last_call(job)
+        return len(self._jobs), actions
