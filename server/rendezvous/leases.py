@@ -44,6 +44,12 @@ _SAID = {DISCONNECTED: "disconnected: session closed without leave"}
 class Leases:
     """Sessions, renewals, restarts, leaving, and expiry; removing a member and what its loss does."""
 
+    def naming_wait_s(self, open_streams: int) -> float:
+        """How long a new session stream may take to name its member: the lease
+        TTL, stretched as a world's first lease is by the time the server takes
+        to open that many streams (a whole world's sessions open at once)."""
+        return self.lease_ttl_s + open_streams * self.SESSION_OPEN_S
+
     def open_session(self, job_id: str, member_id: str, generation: int, sink: object,
                      spare_port: int = 0, secret: str | None = None) -> tuple[float, list[SessionEvent], Actions]:
         """Attaches a session sink to a member and renews its lease. `secret`

@@ -127,12 +127,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # The first message names the member; every message renews its lease.
         # Events the executor puts in the member's sink are written as they
         # come (through context.read/write, so `requests` is not iterated).
-        ttl = self._machine.lease_ttl_s
+        wait = self._machine.naming_wait_s(self._streams)
         try:  # a stream that never names its member would be held forever
-            first = await asyncio.wait_for(context.read(), ttl)
+            first = await asyncio.wait_for(context.read(), wait)
         except asyncio.TimeoutError:
             self._fail(context, "Session", WaitTimeout(
-                f"no SessionRequest within the lease TTL ({ttl:g} s): a session starts by naming its member"))
+                f"no SessionRequest within {wait:g} s (the lease TTL, and 1 ms for each open stream): a session starts "
+                f"by naming its member"))
             return
         if first is grpc.aio.EOF:
             return
