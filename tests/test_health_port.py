@@ -82,6 +82,39 @@ async def test_the_health_port_answers_while_the_event_loop_is_blocked():
         await server.stop(0)
 
 
+async def test_a_loop_stuck_for_good_reads_not_serving_on_the_health_port(monkeypatch):
+    """An answer that never waits for the loop must not hide a loop that no
+    longer runs (a liveness probe would never restart the server)."""
+    from commctx.server.rpc import health
+
+    monkeypatch.setattr(health, "LOOP_STALLED_S", 1.0)
+    server = await start_server("127.0.0.1", 0, health_port=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            assert await asyncio.to_thread(stub.Check, health_pb2.HealthCheckRequest(service=""), timeout=10) \
+                == health_pb2.HealthCheckResponse(status=SERVING)
+            answers = []
+
+            def probe(at: float) -> None:
+                time.sleep(max(0.0, at - time.monotonic()))
+                answers.append(stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10).status)
+
+            thread = threading.Thread(target=probe, args=(time.monotonic() + 2.5,), daemon=True)
+            thread.start()
+            spin(4.0)  # no beat for 4 s; the probe asks 2.5 s in
+            await asyncio.to_thread(thread.join, 30)
+            assert answers == [NOT_SERVING]
+
+            async def serving_again() -> bool:
+                reply = await asyncio.to_thread(stub.Check, health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+                return reply.status == SERVING
+
+            await eventually(serving_again, what="the loop beats again")
+    finally:
+        await server.stop(0)
+
+
 async def check(stub: health_pb2_grpc.HealthStub, name: str) -> object:
     try:
         return (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status

@@ -18,13 +18,21 @@ for a few short steps, which a thread gets within sys.getswitchinterval()
 (5 ms) however busy the loop is; it never waits for the loop. Its servicer
 holds the statuses under a lock; `Health.set` writes them there from the loop
 thread before the asyncio servicer's, so both ports answer the same.
+
+An answer that never waits for the loop would also say SERVING over a loop
+that is stuck for good, where the main port's Check would time out and a
+liveness probe restart the server. So the loop beats every BEAT_S, and while
+it has not beaten for LOOP_STALLED_S (far longer than any pause measured
+here) the health-only port answers NOT_SERVING for every service.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -36,6 +44,8 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 CHECK_THREADS = 4  # run Check (a dictionary read under a lock): a few suffice
 MAX_WATCHES = 16  # Watch streams open at once on the health-only port; more are refused RESOURCE_EXHAUSTED
+BEAT_S = 0.5  # how often the event loop says it runs
+LOOP_STALLED_S = 10.0  # no beat for this long: the loop is stuck, and the health-only port says NOT_SERVING
 
 
 class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
@@ -44,7 +54,8 @@ class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
     As grpc_health's servicers: "" starts SERVING; Check of an unknown service
     is NOT_FOUND; Watch sends the current status, then each change
     (SERVICE_UNKNOWN while unknown); after `enter_graceful_shutdown` every
-    status is NOT_SERVING and stays so. Unlike grpc_health's sync servicer,
+    status is NOT_SERVING and stays so. Check also answers NOT_SERVING while
+    the event loop has not beaten (`beat`) for LOOP_STALLED_S. Unlike grpc_health's sync servicer,
     `set` never waits for a Watch stream's send (it only wakes the stream's
     thread), so the event loop can call it; each Watch stream holds a thread
     of a pool of its own, and at most MAX_WATCHES are open, so watchers never
@@ -56,6 +67,7 @@ class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
         self._status: dict[str, int] = {"": SERVING}
         self._shutting_down = False
         self._watching = 0
+        self._beat = time.monotonic()  # when the event loop last said it runs
         self.watch_pool = concurrent.futures.ThreadPoolExecutor(MAX_WATCHES + 2, thread_name_prefix="commctx-health-watch")
 
         def watch(request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Iterator[health_pb2.HealthCheckResponse]:
@@ -80,9 +92,17 @@ class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
                 self._status[service] = NOT_SERVING
             self._changed.notify_all()
 
+    def beat(self) -> None:
+        """The event loop runs (called from it every BEAT_S)."""
+        self._beat = time.monotonic()
+
     def status(self, service: str) -> int | None:
+        """What Check answers for `service`; None when it is unknown."""
         with self._changed:
-            return self._status.get(service)
+            status = self._status.get(service)
+        if status is not None and time.monotonic() - self._beat > LOOP_STALLED_S:
+            return NOT_SERVING
+        return status
 
     def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
         status = self.status(request.service)
@@ -121,10 +141,12 @@ class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
 class HealthPort:
     """grpc.health.v1 alone on a port of its own, served by a sync gRPC server
     (its completion queue's thread, a pool for Check, the servicer's pool for
-    Watch). Starts and stops as a grpc.aio server does, from the event loop."""
+    Watch). Starts and stops as a grpc.aio server does, from the event loop,
+    and runs the loop's heartbeat meanwhile."""
 
     def __init__(self, servicer: ThreadedHealthServicer) -> None:
         self._servicer = servicer
+        self._beating: asyncio.Task | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="commctx-health")
         self._server = grpc.server(self._pool, options=[("grpc.so_reuseport", 0)])  # a busy port fails, not shared
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self._server)
@@ -135,11 +157,21 @@ class HealthPort:
 
     async def start(self) -> None:
         self._server.start()
+        self._beating = asyncio.create_task(self._beat(), name="commctx-health-beat")
+
+    async def _beat(self) -> None:
+        while True:
+            self._servicer.beat()
+            await asyncio.sleep(BEAT_S)
 
     async def stop(self, grace: float | None) -> None:
         """New calls are refused at once; calls in flight get `grace` seconds (Watch streams end then)."""
         stopped = self._server.stop(grace)
         await asyncio.to_thread(stopped.wait)
+        if self._beating is not None:
+            self._beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beating
         self._pool.shutdown(wait=False)
         self._servicer.watch_pool.shutdown(wait=False)
 
