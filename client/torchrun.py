@@ -39,7 +39,10 @@ torch's defaults:
     spec               a JSON file of the job's JobSpec (layout, groups); the
                        sizes are --nnodes', so it gives no world_size, elastic
                        or role counts
-    node_key           this node's key (default: host name and agent pid)
+    node_key           this node's key (default: host name and agent pid, and
+                       from a process's second handler on its number: agents
+                       in threads of one process are nodes of their own, as
+                       c10d's (host, pid, local id) makes them)
     role               the role of this node's workers
     nproc_per_node     this node's workers, when the agent's WorkerSpec cannot
                        be read (a handler used without torch's agent)
@@ -71,6 +74,7 @@ def handler():
 import contextlib
 import datetime
 import difflib
+import itertools
 import json
 import logging
 import os
@@ -118,6 +122,19 @@ log = logging.getLogger("commctx")
 
 def create_handler(params: RendezvousParameters) -> CommctxRendezvousHandler:
     return CommctxRendezvousHandler(params)
+
+
+_HANDLERS = itertools.count()  # handlers made in this process with the default node key
+
+
+def default_node_key() -> str:
+    """This agent's node: the host name and pid, and from the second handler made
+    in the process on, its number (several agents in one process, as torch's own
+    tests run them in threads, are nodes of their own, as c10d's local id makes
+    them; sharing a key, the second would wait for a node already joined)."""
+    key = f"{socket.gethostname()}-{os.getpid()}"
+    n = next(_HANDLERS)
+    return f"{key}-{n}" if n else key
 
 
 # --rdzv-conf keys commctx reads (see the module docstring).
@@ -218,7 +235,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._token = launcher.token
         spec = self._spec(params)
         self._request = pb.JoinRequest(
-            job_id=self._run_id, spec=spec, node_key=params.get("node_key") or f"{socket.gethostname()}-{os.getpid()}",
+            job_id=self._run_id, spec=spec, node_key=params.get("node_key") or default_node_key(),
             role=params.get("role") or "", workers=self._nproc or 0, job_secret=launcher.job_secret or "",
         )
         self._timeout = datetime.timedelta(seconds=self._join_timeout)

@@ -206,3 +206,19 @@ def written_world(handler) -> pb.JoinResponse:
     """The assignments the handler wrote for its workers (COMMCTX_TORCHRUN_WORLD)."""
     with open(handler.world_file, "rb") as f:
         return pb.JoinResponse.FromString(f.read())
+
+
+def test_agents_in_one_process_are_nodes_of_their_own():
+    """Two handlers made in one process with the default node key (torch's own
+    elastic tests run agents in threads of one process): two nodes, as c10d's
+    (host, pid, local id) makes them. Sharing the key host-pid, the second waited
+    for a node already joined until its join_timeout."""
+    server = Server("127.0.0.1", f"--lease-ttl-s={TTL_S}")
+    with running([server]):
+        hs = handlers(server.address, "in-one-process", (2, 2), keys=(None, None), join_timeout=15)
+        try:
+            assert sorted(r[:2] for r in rendezvous_all(hs)) == [(0, 2), (1, 2)]
+        finally:
+            for h in hs:
+                h.shutdown()
+
