@@ -53,7 +53,10 @@ c10d runs unchanged: read_timeout, keep_alive_interval, keep_alive_max_attempt,
 heartbeat (commctx's lease and session stand for them), is_host, store_type,
 use_libuv (node rank 0's agent always serves the store, a TCPStore). Any other key is a RendezvousError when the handler is
 created, naming the key and the closest known one (`join_timout` -> "did you
-mean join_timeout?"): a misspelt key is never silently ignored.
+mean join_timeout?"): a misspelt key is never silently ignored. Quotes that no
+shell removed (`--rdzv-conf='a=1,b=2'` given to torch.distributed.run.main as
+a list, as torch's own tests do; torch's parser keeps them: keys "'a", values
+"2'") are removed, as a shell would have.
 Environment: COMMCTX_TOKEN, COMMCTX_JOB_SECRET, COMMCTX_TLS_* as for workers.
 """
 
@@ -146,6 +149,20 @@ IGNORED_CONF_KEYS = (*TORCH_CONF_KEYS, "read_timeout", "keep_alive_interval", "k
                      "heartbeat", "is_host", "store_type", "use_libuv")
 
 
+def unquoted(params: RendezvousParameters) -> RendezvousParameters:
+    """`params` without the quotes a shell would have removed from --rdzv-conf
+    (torch's parser keeps them when no shell ran: "'join_timeout" = "5"), which
+    c10d, ignoring keys it does not know, lets pass unread."""
+    def bare(v):
+        return v.strip("'\"") if isinstance(v, str) else v
+
+    config = {bare(k): bare(v) for k, v in params.config.items()}
+    if config == params.config:
+        return params
+    return RendezvousParameters(params.backend, params.endpoint, params.run_id, params.min_nodes, params.max_nodes,
+                                params.local_addr, **config)
+
+
 def check_conf(params: RendezvousParameters) -> None:
     """Refuses a --rdzv-conf key that commctx neither reads nor knows to ignore.
 
@@ -215,6 +232,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
     """One torchrun agent's membership: its node and its workers."""
 
     def __init__(self, params: RendezvousParameters, env: Mapping[str, str] | None = None) -> None:
+        params = unquoted(params)
         check_conf(params)  # first: a misspelt key is the one line to see
         if not params.endpoint:
             raise RendezvousError("commctx: give the rendezvous server as --rdzv-endpoint=HOST:PORT")

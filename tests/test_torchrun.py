@@ -222,3 +222,16 @@ def test_agents_in_one_process_are_nodes_of_their_own():
             for h in hs:
                 h.shutdown()
 
+
+def test_rdzv_conf_quotes_no_shell_removed_are_removed():
+    """torch's own run.main tests pass "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'"
+    in a list, so no shell removes the quotes and torch's parser keeps them
+    ("'join_timeout", "5'"); c10d ignores the key it does not know. commctx reads
+    the conf as a shell would have passed it, instead of refusing "'join_timeout"."""
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    (h,) = handlers("127.0.0.1:1", "quoted", (1, 2), keys=("a",),
+                    **{"'join_timeout": "5", "last_call_timeout": "1", "timeout": "5'"})
+    h.shutdown()
+    with pytest.raises(RendezvousError, match=re.escape("commctx: join_timeout 'soon' is not a number of seconds")):
+        handlers("127.0.0.1:1", "quoted", (1, 2), keys=("a",), **{"'join_timeout": "soon'"})
