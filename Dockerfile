@@ -7,6 +7,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto
+COPY common ./common
 COPY server ./server
 COPY client ./client
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from commctx.server.planning import JobSpec
+from commctx.common.planning import JobSpec
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.params import JoinParams
 

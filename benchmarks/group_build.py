@@ -31,7 +31,7 @@ METHODS = ("every-rank loop", "by_enumeration", "member-only")
 
 
 def plan() -> dict[str, list[list[int]]]:
-    from commctx.server.planning import JobSpec, expand, layout_groups
+    from commctx.common.planning import JobSpec, expand, layout_groups
 
     spec = JobSpec.build(WORLD, layout={"tp": 2, "pp": 2, "dp": 2})
     return {d: [expand(g.ranks) for g in layout_groups(spec.layout, d)] for d in ("tp", "dp", "pp")}

@@ -29,7 +29,7 @@ GRPC_JOIN_MS = 0.80  # the server's CPU per Join over gRPC, benchmarks/results/j
 
 def joins(n: int, events: bool) -> float:
     """CPU seconds for n Joins of one job."""
-    from commctx.server.planning import JobSpec
+    from commctx.common.planning import JobSpec
     from commctx.server.rendezvous.machine import Rendezvous
     from commctx.server.rendezvous.params import JoinParams
 

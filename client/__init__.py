@@ -30,8 +30,9 @@ from .errors import (
     ServerFull,
     StaleGeneration,
     Unauthenticated,
+    UsageError,
 )
-from .modes import CommMode, ParallelMode
+from commctx.common.modes import CommMode, ParallelMode
 
 _LAZY = {"CommContext": "commctx.context", "LauncherEnv": "commctx.context", "Assignment": "commctx.assignment"}
 
@@ -58,6 +59,7 @@ __all__ = [
     "ServerFull",
     "StaleGeneration",
     "Unauthenticated",
+    "UsageError",
 ]
 
 if TYPE_CHECKING:

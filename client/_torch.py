@@ -11,7 +11,7 @@ commctx relies on three things torch does not promise:
   * `TCPStore(..., master_listen_fd=...)`, a public constructor argument of
     recent releases, to serve the store on a socket rank 0 already holds.
 
-When the installed torch lacks one, the call raises CommContextError naming
+When the installed torch lacks one, the call raises UsageError naming
 the torch version and what is missing, instead of an AttributeError deep in a
 join. Checked with torch 2.13.
 """
@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .errors import CommContextError
+from .errors import UsageError
 
 TESTED_WITH = "2.13"
 
 
-def _missing(what: str, purpose: str) -> CommContextError:
-    return CommContextError(
+def _missing(what: str, purpose: str) -> UsageError:
+    return UsageError(
         f"torch {torch.__version__} lacks {what}, which commctx uses to {purpose} (tested with torch {TESTED_WITH})"
     )
 
@@ -56,7 +56,7 @@ def new_member_group(ranks: list[int], backend: str, name: str, timeout: datetim
     """Creates a group of `ranks` (which include this rank) among its members only, named `name`.
 
     Raises:
-        CommContextError: this torch lacks the internals it needs.
+        UsageError: this torch lacks the internals it needs.
     """
     purpose = "create member-only groups"
     where = "torch.distributed.distributed_c10d"
@@ -79,7 +79,7 @@ def abort_process_groups() -> None:
     """Aborts every process group (NCCL: without waiting on peers).
 
     Raises:
-        CommContextError: this torch cannot abort process groups.
+        UsageError: this torch cannot abort process groups.
     """
     _internal(c10d, "_abort_process_group", "torch.distributed.distributed_c10d", "tear NCCL down with dead peers")()
 
@@ -96,7 +96,7 @@ def store_on_socket(host: str, port: int, world_size: int, timeout: datetime.tim
     (detached) only once the store takes it.
 
     Raises:
-        CommContextError: this torch's TCPStore cannot take a listening socket.
+        UsageError: this torch's TCPStore cannot take a listening socket.
     """
     try:
         store = dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,

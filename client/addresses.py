@@ -1,20 +1,17 @@
-"""Addresses, for the client and the server alike: `host:port` text with IPv6
-in brackets, and IP literals in canonical form. Pure: no I/O."""
+"""A server's address as a user gives it ('host:port', a replica list's
+entries), parsed and checked; the rules both halves share (host_port,
+canonical_ip) are commctx.common.addresses'. Pure: no I/O."""
 
 from __future__ import annotations
 
 import re
-import socket
+
+from commctx.common.addresses import DEFAULT_PORT, host_port
 
 from .errors import InvalidArgument
 
-DEFAULT_PORT = 50051
+__all__ = ["DEFAULT_PORT", "host_port", "split_address"]
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # 'http://', 'grpc://', ...: a URL, not host:port
-
-
-def host_port(host: str, port: int) -> str:
-    """'host:port', with an IPv6 literal in brackets ('[::1]:50051')."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def split_address(server_addr: str) -> tuple[str, int]:
@@ -60,23 +57,3 @@ def _shown(value: str) -> str:
     """repr() of an address, cut to about 100 characters."""
     text = repr(value)
     return text if len(text) <= 100 else text[:97] + "..."
-
-
-def canonical_ip(value: str) -> tuple[str, bool]:
-    """The canonical form of an IPv4 or IPv6 literal, and whether it is a loopback address.
-
-    Raises:
-        ValueError: `value` is not an IP literal, or is the unspecified address.
-    """
-    family = socket.AF_INET6 if ":" in value else socket.AF_INET
-    try:
-        packed = socket.inet_pton(family, value)
-    except (OSError, ValueError):
-        raise ValueError(f"{value[:64]!r} is not an IP address") from None
-    if packed == bytes(len(packed)):
-        raise ValueError(f"{value} is unspecified")
-    if family == socket.AF_INET:
-        return socket.inet_ntop(family, packed), packed[0] == 127
-    if packed[:12] == bytes(10) + b"\xff\xff":  # IPv4-mapped
-        return socket.inet_ntop(family, packed), packed[12] == 127
-    return socket.inet_ntop(family, packed), packed == bytes(15) + b"\x01"

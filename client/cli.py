@@ -11,7 +11,7 @@ prints is what the server would assign, and it refuses, with one line, what
 the server would refuse: a world the planner cannot form, and workers whose
 roles the spec does not allow (a spec that declares roles, or whose groups
 name roles, needs --node-roles). It imports only the server's pure planner
-(`commctx.server.planning`); health and status are gRPC clients.
+(`commctx.common.planning`); health and status are gRPC clients.
 
 --addr may list the replicas of a highly available server, comma-separated.
 `status` asks the leader (found as the workers find it: see
@@ -35,8 +35,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from commctx.server.errors import RendezvousError
-from commctx.server.planning import (
+from commctx.common.errors import Refusal
+from commctx.common.planning import (
     Candidate,
     JobSpec,
     PlanError,
@@ -49,7 +49,7 @@ from commctx.server.planning import (
 )
 
 from .addresses import DEFAULT_PORT, host_port
-from .errors import CommContextError, InvalidArgument
+from .errors import UsageError, InvalidArgument
 from .transport import Endpoints, LeaderStub, Tls, channel_to, check_token, server_addresses, tls_of
 
 
@@ -77,9 +77,9 @@ def connection(args: argparse.Namespace, env: Mapping[str, str] | None = None) -
     """The address (or comma-separated addresses), TLS and token the arguments and environment ask for.
 
     Raises:
-        InvalidArgument (a CommContextError): --addr is not host:port (a URL,
+        InvalidArgument (a UsageError): --addr is not host:port (a URL,
             a port out of range), or --token / COMMCTX_TOKEN is malformed.
-        CommContextError: a certificate came without its key.
+        UsageError: a certificate came without its key.
     """
     env = os.environ if env is None else env
     tls = tls_of(args.tls_ca, args.tls_cert, args.tls_key,
@@ -100,14 +100,14 @@ def connect(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> t
     """The address and the server's replicas behind it, over TLS when a TLS file is given.
 
     Raises:
-        CommContextError: a TLS file cannot be read, a certificate came without
+        UsageError: a TLS file cannot be read, a certificate came without
             its key, or an address is not host:port.
     """
     addr, tls, token = connection(args, env)
     try:
         return addr, Endpoints(addr, tls, token)
     except ValueError as exc:
-        raise CommContextError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _sizes(text: str) -> list[int]:
@@ -197,7 +197,7 @@ def build_spec(args: argparse.Namespace, world_size: int, spec: pb.JobSpec) -> p
 
 
 def plan_from_args(args: argparse.Namespace) -> WorldPlan:
-    """Raises RendezvousError or PlanError when the world cannot satisfy the spec."""
+    """Raises Refusal or PlanError when the world cannot satisfy the spec."""
     given = read_spec(args.spec) if args.spec else pb.JobSpec()  # first: a spec that cannot be read is the one line to see
     if not args.local_sizes and args.nodes is None:
         raise SystemExit("commctx plan: give the world's shape: --nodes N [--per-node M], or --local-sizes 8,8,4")
@@ -225,7 +225,7 @@ def check_roles(spec: JobSpec, sizes: Sequence[int], node_roles: Sequence[str]) 
     Raises:
         SystemExit: the spec declares roles, or its groups name roles, and
             --node-roles is missing (the plan would hold empty groups).
-        RendezvousError: a role name is malformed (the server's own check).
+        Refusal: a role name is malformed (the server's own check).
         PlanError: a worker has a role the spec does not declare (the server
             refuses its join: JobConflict), or more workers have a role than
             the spec declares (the server refuses the extra ones: JobFull).
@@ -311,7 +311,7 @@ def plan_text(plan: WorldPlan) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_from_args(args)
-    except (RendezvousError, PlanError) as exc:
+    except (Refusal, PlanError) as exc:
         print(f"commctx plan: this world cannot form: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(plan_json(plan), indent=2) if args.json else plan_text(plan))
@@ -335,7 +335,7 @@ def run_health(args: argparse.Namespace) -> int:
     try:
         targets = [host_port(*hp) for hp in server_addresses(addr)] if "," in addr else [addr]
     except ValueError as exc:
-        raise CommContextError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     serving = True
     for target in targets:
         shown = addr if len(targets) == 1 else target
@@ -554,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except CommContextError as exc:
+    except UsageError as exc:
         print(f"commctx {args.run.__name__.removeprefix('run_')}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
-from .errors import CommContextError, GroupNotFound, InvalidArgument, MemberNotFound
+from .errors import UsageError, GroupNotFound, InvalidArgument, MemberNotFound
 from .launched import LaunchedWorker
 from .lifecycle import (
     DESTROY_TIMEOUT_S,
@@ -35,7 +35,7 @@ from .lifecycle import (
     progress_seconds,
     resolve_backend,
 )
-from .modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
+from commctx.common.modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange
@@ -147,14 +147,14 @@ class CommContext:
                 missing". 0 silences it. Default: COMMCTX_PROGRESS_S, else 10.
 
         Raises:
-            InvalidArgument (a CommContextError and a ValueError): an argument,
+            InvalidArgument (a UsageError and a ValueError): an argument,
                 or the variable standing for it, cannot be right: a backend
                 torch does not have, a timeout or collective_timeout that is
                 not a positive number of seconds, a world_size that is not a
                 positive integer, a server address that is not host:port (a
                 URL, a port out of range), a malformed token or job secret.
                 Raised before any wait or network call.
-            CommContextError: this process is already initialised, no server
+            UsageError: this process is already initialised, no server
                 or job is given, NCCL without a CUDA device, or a TLS file
                 cannot be read.
             InvalidRequest: a `spec` dict that is not a JobSpec (before any call).
@@ -163,7 +163,7 @@ class CommContext:
         """
         ctx = cls()
         if ctx._membership is not None or ctx.is_initialized():
-            raise CommContextError("CommContext is already initialised in this process; call destroy() first")
+            raise UsageError("CommContext is already initialised in this process; call destroy() first")
         # Arguments that cannot be right fail here, at the call: before any wait or network call.
         backend = resolve_backend(backend)
         check_seconds("timeout", timeout, "how long to wait for the world to form")
@@ -175,7 +175,7 @@ class CommContext:
         if launcher.torchrun_world:  # torchrun --rdzv-backend=commctx: the agent joined for this worker
             check_count("world_size", world_size, "the number of workers in the job", optional=True)
             if on_world_changed is not None:
-                raise CommContextError("on_world_changed is not available under torchrun: its agent restarts the "
+                raise UsageError("on_world_changed is not available under torchrun: its agent restarts the "
                                        "workers into the next world")
             try:
                 ctx._membership = LaunchedWorker.from_launcher(
@@ -190,9 +190,9 @@ class CommContext:
         server_addr = server_addr or launcher.server
         job_id = job_id or launcher.job_id
         if not server_addr:
-            raise CommContextError("no rendezvous server: pass server_addr or set COMMCTX_SERVER=host:port")
+            raise UsageError("no rendezvous server: pass server_addr or set COMMCTX_SERVER=host:port")
         if not job_id:
-            raise CommContextError("no job: pass job_id or set COMMCTX_JOB_ID")
+            raise UsageError("no job: pass job_id or set COMMCTX_JOB_ID")
         if not isinstance(job_id, str):
             raise InvalidArgument(f"job_id must be a string, not {type(job_id).__name__}")
         check_count("world_size", world_size, "the number of workers in the job")
@@ -256,7 +256,7 @@ class CommContext:
 
         Raises:
             InvalidArgument: `timeout` is not a positive number of seconds.
-            CommContextError: this process did not join, or no change is pending.
+            UsageError: this process did not join, or no change is pending.
             MemberNotFound: the server says this member is gone or the job
                 cannot continue (the message says why).
             RendezvousTimeout: no new world within `timeout`.
@@ -265,7 +265,7 @@ class CommContext:
         membership = self._joined()
         change = membership.session.world_change
         if change is None:
-            raise CommContextError("the world has not changed; rejoin() follows a world change")
+            raise UsageError("the world has not changed; rejoin() follows a world change")
         if change.final:
             raise MemberNotFound("NOT_FOUND", change.reason)
         membership.rejoin(self._registry, timeout)
@@ -273,9 +273,9 @@ class CommContext:
 
     def _joined(self) -> Membership:
         if self._membership is None:
-            raise CommContextError("no rendezvous session: this process did not join (use CommContext.join)")
+            raise UsageError("no rendezvous session: this process did not join (use CommContext.join)")
         if self._membership.session is None:
-            raise CommContextError("this worker was started by torchrun --rdzv-backend=commctx: its agent holds the "
+            raise UsageError("this worker was started by torchrun --rdzv-backend=commctx: its agent holds the "
                                    "membership and restarts the workers into the next world")
         return self._membership
 
@@ -305,10 +305,10 @@ class CommContext:
         Raises:
             InvalidArgument: a backend torch does not have, or a timeout that
                 is not a positive number of seconds (before anything starts).
-            CommContextError: already initialised, or NCCL without a usable GPU.
+            UsageError: already initialised, or NCCL without a usable GPU.
         """
         if self.is_initialized():
-            raise CommContextError("torch.distributed is already initialised by CommContext; call destroy() first")
+            raise UsageError("torch.distributed is already initialised by CommContext; call destroy() first")
         backend = resolve_backend(backend)
         check_seconds("timeout", timeout, "torch.distributed's timeout")
         local_rank = self.get_in_node_rank() if backend == "nccl" else None
@@ -335,7 +335,7 @@ class CommContext:
 
         Raises:
             InvalidArgument: a backend torch does not have.
-            CommContextError: not initialised.
+            UsageError: not initialised.
             ValueError: `mode` is missing, or `ranks` is empty, repeats a rank or
                 names one outside the world.
         """
@@ -376,7 +376,7 @@ class CommContext:
         """The global rank of this process.
 
         Raises:
-            CommContextError: not initialised.
+            UsageError: not initialised.
         """
         return self._record(GLOBAL).group_rank
 
@@ -385,26 +385,26 @@ class CommContext:
         else from LOCAL_RANK.
 
         Raises:
-            CommContextError: neither is available.
+            UsageError: neither is available.
         """
         if self.assignment is not None:
             return self.assignment.local_rank
         value = LauncherEnv.from_env().local_rank
         if value is None:
-            raise CommContextError("local rank unknown: join a rendezvous or set LOCAL_RANK")
+            raise UsageError("local rank unknown: join a rendezvous or set LOCAL_RANK")
         return value
 
     def get_local_world_size(self) -> int:
         """Workers on this node: from the assignment when joined, else LOCAL_WORLD_SIZE.
 
         Raises:
-            CommContextError: neither is available.
+            UsageError: neither is available.
         """
         if self.assignment is not None:
             return self.assignment.local_world_size
         value = LauncherEnv.from_env().local_world_size
         if value is None:
-            raise CommContextError("local world size unknown: join a rendezvous or set LOCAL_WORLD_SIZE")
+            raise UsageError("local world size unknown: join a rendezvous or set LOCAL_WORLD_SIZE")
         return value
 
     def get_intra_node_process_group(self) -> dist.ProcessGroup:
@@ -441,7 +441,7 @@ class CommContext:
         if record is not None:
             return record
         if not self.is_initialized():
-            raise CommContextError("CommContext is not initialised: call CommContext.join() or init_distributed_env()")
+            raise UsageError("CommContext is not initialised: call CommContext.join() or init_distributed_env()")
         raise GroupNotFound(
             f"rank {self._registry.get(GLOBAL).group_rank} has no {key} group; it has: {', '.join(self._registry.modes())}"
         )

@@ -1,7 +1,7 @@
 """Every error commctx raises, in one hierarchy.
 
 Server answers become `RendezvousError` subclasses in one place
-(`commctx.transport.error_from_rpc`); local misuse raises `CommContextError`,
+(`commctx.transport.error_from_rpc`); local misuse raises `UsageError`,
 and an argument that cannot be right (a backend torch does not know, a
 timeout of -1, a server address with a URL scheme) its subclass
 `InvalidArgument`, at the call, before any wait or network call.
@@ -14,12 +14,16 @@ class CommCtxError(Exception):
     """Base class of every commctx error."""
 
 
-class CommContextError(CommCtxError):
+class UsageError(CommCtxError):
     """CommContext was used in a way its state does not allow (not initialised,
     already initialised, a value it cannot know)."""
 
 
-class InvalidArgument(CommContextError, ValueError):
+# Its name before 0.2, kept for code that catches it.
+CommContextError = UsageError
+
+
+class InvalidArgument(UsageError, ValueError):
     """An argument (or the variable standing for it) cannot be right: a backend
     torch does not know, a world size or timeout that is not positive, a server
     address that is not host:port, a malformed token or job secret. Raised at
@@ -28,7 +32,7 @@ class InvalidArgument(CommContextError, ValueError):
     ValueError, as these were before."""
 
 
-class GroupNotFound(CommContextError, KeyError):
+class GroupNotFound(UsageError, KeyError):
     """No group is registered for a mode on this rank (also a KeyError, as in the seed)."""
 
     def __str__(self) -> str:

@@ -11,7 +11,7 @@ from google.protobuf.message import DecodeError
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
-from .errors import CommContextError
+from .errors import UsageError
 from .lifecycle import LauncherEnv, enter_world, leave_world
 from .registry import GroupRegistry
 
@@ -37,7 +37,7 @@ class LaunchedWorker:
         checked against torchrun's variables.
 
         Raises:
-            CommContextError: the file is missing, or it disagrees with torchrun or the arguments.
+            UsageError: the file is missing, or it disagrees with torchrun or the arguments.
         """
         path = launcher.torchrun_world
         try:
@@ -47,18 +47,18 @@ class LaunchedWorker:
                 raise ValueError("torchrun did not set LOCAL_RANK")
             a = Assignment.from_proto(world.worker_assignments[launcher.local_rank], "")
         except (OSError, ValueError, IndexError, DecodeError) as exc:
-            raise CommContextError(f"cannot read this worker's assignment from {WORLD_ENV}={path}: {exc}") from None
+            raise UsageError(f"cannot read this worker's assignment from {WORLD_ENV}={path}: {exc}") from None
         expected = {"RANK": (launcher.rank, a.rank), "GROUP_RANK": (launcher.group_rank, a.node_rank),
                     "WORLD_SIZE": (launcher.world_size, a.world_size), "LOCAL_WORLD_SIZE": (launcher.local_world_size, a.local_world_size)}
         for name, (given, assigned) in expected.items():
             if given != assigned:
                 said = f"torchrun set {name}={given}" if given is not None else f"torchrun did not set {name}"
-                raise CommContextError(f"{said} but the rendezvous server assigned {assigned} "
+                raise UsageError(f"{said} but the rendezvous server assigned {assigned} "
                                        f"(generation {a.generation} of job {a.job_id!r})")
         if job_id is not None and job_id != a.job_id:
-            raise CommContextError(f"job_id {job_id!r} disagrees with torchrun's --rdzv-id {a.job_id!r}")
+            raise UsageError(f"job_id {job_id!r} disagrees with torchrun's --rdzv-id {a.job_id!r}")
         if world_size is not None and world_size != a.world_size:
-            raise CommContextError(f"world_size {world_size} disagrees with torchrun's world of {a.world_size}")
+            raise UsageError(f"world_size {world_size} disagrees with torchrun's world of {a.world_size}")
         return cls(a, backend, collective_timeout_s)
 
     def enter(self, registry: GroupRegistry) -> None:

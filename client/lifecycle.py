@@ -29,7 +29,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch
 from .assignment import Assignment
-from .errors import CommContextError, InvalidArgument, InvalidRequest, ServerUnavailable
+from .errors import UsageError, InvalidArgument, InvalidRequest, ServerUnavailable
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
 from .registry import GroupRegistry
@@ -81,7 +81,7 @@ class LauncherEnv:
         process) a warning on the `commctx` logger naming the new variable.
 
         Raises:
-            CommContextError: LOCAL_RANK or LOCAL_WORLD_SIZE (under torchrun
+            UsageError: LOCAL_RANK or LOCAL_WORLD_SIZE (under torchrun
                 on commctx also RANK, GROUP_RANK or WORLD_SIZE) is set but not
                 a non-negative integer.
         """
@@ -96,7 +96,7 @@ class LauncherEnv:
             except ValueError:
                 value = -1
             if value < 0:
-                raise CommContextError(f"{name}={raw!r} is not a non-negative integer")
+                raise UsageError(f"{name}={raw!r} is not a non-negative integer")
             return value
 
         torchrun_world = (env.get("COMMCTX_TORCHRUN_WORLD") or None) if env.get("TORCHELASTIC_RUN_ID") else None
@@ -255,13 +255,13 @@ def resolve_backend(backend: str | None) -> str:
 
     Raises:
         InvalidArgument: torch has no such backend (see check_backend).
-        CommContextError: 'nccl' was asked for but no CUDA device is visible.
+        UsageError: 'nccl' was asked for but no CUDA device is visible.
     """
     name = check_backend(backend)
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
-        raise CommContextError("backend 'nccl' needs a CUDA device and none is visible; use 'gloo' or 'auto'")
+        raise UsageError("backend 'nccl' needs a CUDA device and none is visible; use 'gloo' or 'auto'")
     return name
 
 
@@ -448,7 +448,7 @@ class Membership:
         if a.rank == 0:
             spare, self._spare = self._spare, None
             if spare is None or spare.getsockname()[1] != a.master_port:
-                raise CommContextError(f"the server made this worker rank 0 on port {a.master_port}, which it does not hold")
+                raise UsageError(f"the server made this worker rank 0 on port {a.master_port}, which it does not hold")
             self._store = _torch.store_on_socket(a.master_addr, a.master_port, a.world_size, self._timeout, spare)
             self._spare = listen_on(self.address)
             self.session.offer_spare(self._spare.getsockname()[1])

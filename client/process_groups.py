@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from . import _torch
 from .assignment import GroupInfo
-from .errors import CommContextError
-from .modes import GLOBAL, cpu_twin
+from .errors import UsageError
+from commctx.common.modes import GLOBAL, cpu_twin
 from .registry import GroupRecord
 
 
@@ -48,14 +48,14 @@ def init_world(world_size: int | None, rank: int | None, backend: str, dist_url:
     touched otherwise.
 
     Raises:
-        CommContextError: NCCL, but this local rank has no GPU of its own.
+        UsageError: NCCL, but this local rank has no GPU of its own.
     """
     if backend == "nccl":
         if local_rank is None:
-            raise CommContextError("local rank unknown: join a rendezvous or set LOCAL_RANK")
+            raise UsageError("local rank unknown: join a rendezvous or set LOCAL_RANK")
         count = torch.cuda.device_count()
         if local_rank >= count:
-            raise CommContextError(f"local rank {local_rank} has no GPU of its own: this node has {count}")
+            raise UsageError(f"local rank {local_rank} has no GPU of its own: this node has {count}")
         torch.cuda.set_device(local_rank)
     dist.init_process_group(
         backend=backend, init_method=dist_url, timeout=timeout,

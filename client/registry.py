@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from .modes import GLOBAL
+from commctx.common.modes import GLOBAL
 
 
 @dataclasses.dataclass(frozen=True)

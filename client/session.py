@@ -84,7 +84,7 @@ class Session:
 
         Raises:
             ValueError: an address is not host:port.
-            CommContextError: a TLS file cannot be read, or the token is not printable ASCII.
+            UsageError: a TLS file cannot be read, or the token is not printable ASCII.
         """
         self.server_addr = server_addr
         self._endpoints = Endpoints(server_addr, tls, token)

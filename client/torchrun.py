@@ -104,7 +104,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch, errors
 from .errors import (
-    CommContextError,
+    UsageError,
     InvalidArgument,
     InvalidRequest,
     JobClosed,
@@ -328,7 +328,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError(f"commctx: {exc.details}") from None
         except ServerUnavailable as exc:
             raise RendezvousConnectionError(f"commctx: {exc.details}") from None
-        except (CommContextError, errors.RendezvousError) as exc:  # e.g. a conflicting spec, a sealed job
+        except (UsageError, errors.RendezvousError) as exc:  # e.g. a conflicting spec, a sealed job
             raise RendezvousError(f"commctx: {exc}") from None
         return self._enter(assignments)
 

@@ -117,12 +117,12 @@ class Tls:
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
-            raise errors.CommContextError(
+            raise errors.UsageError(
                 f"a TLS client certificate needs its key and the key its certificate (got tls_cert={self.cert!r}, tls_key={self.key!r})")
 
     def credentials(self) -> grpc.ChannelCredentials:
         """Raises:
-            CommContextError: a file cannot be read (the message names it).
+            UsageError: a file cannot be read (the message names it).
         """
         return grpc.ssl_channel_credentials(_read(self.ca, "tls_ca"), _read(self.key, "tls_key"), _read(self.cert, "tls_cert"))
 
@@ -149,7 +149,7 @@ def _read(path: str | None, what: str) -> bytes | None:
         with open(path, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise errors.CommContextError(f"cannot read {what} {path!r}: {exc.strerror}") from None
+        raise errors.UsageError(f"cannot read {what} {path!r}: {exc.strerror}") from None
 
 
 CHANNEL_OPTIONS = [
@@ -231,7 +231,7 @@ def channel_to(target: str, tls: Tls | None = None, token: str | None = None) ->
     """A channel to `target`, over TLS when `tls` is given, sending `token` on every call when given.
 
     Raises:
-        CommContextError: a TLS file cannot be read, or (InvalidArgument) the token is malformed.
+        UsageError: a TLS file cannot be read, or (InvalidArgument) the token is malformed.
     """
     return _dial(target, tls.credentials() if tls is not None else None, BearerToken(token) if token else None)
 
@@ -251,7 +251,7 @@ def open_channel(server_addr: str, tls: Tls | None = None, token: str | None = N
 
     Raises:
         ValueError: the address is not host:port.
-        CommContextError: as for channel_to.
+        UsageError: as for channel_to.
     """
     channel = channel_to(host_port(*split_address(server_addr)), tls, token)
     return channel, pb_grpc.RendezvousStub(channel)
@@ -347,7 +347,7 @@ class Endpoints:
     def __init__(self, server_addr: str, tls: Tls | None = None, token: str | None = None) -> None:
         """Raises:
             ValueError: an address is not host:port.
-            CommContextError: a TLS file cannot be read, or the token is not printable ASCII.
+            UsageError: a TLS file cannot be read, or the token is not printable ASCII.
         """
         self.server_addr = server_addr
         given = server_addresses(server_addr)

@@ -2,12 +2,15 @@
 
 Layers, each importing only those before it:
 
-    planning/     the job spec and the world planner: pure Python
-    rendezvous/   the state machine, its store and the executor of its actions
-    rpc/          the wire codec, the gRPC servicer and the server's wiring
+    commctx.common  the shared base (common/): modes, addresses, the job spec
+                    and the world planner (pure Python), the refusals they raise
+    rendezvous/     the domain: the state machine, its store, the executor of
+                    its actions, the Join that waits, the watches of histories
+    rpc/            the wire codec, the gRPC servicer and the server's wiring
+    web/            the HTTP edge: dashboard, JSON API, metrics
 
 `start_server` and `RendezvousServer` load the gRPC layer on first use, so
-importing the planner (as `commctx plan` does) loads no gRPC.
+importing this package loads no gRPC until they are asked for.
 """
 
 from __future__ import annotations

@@ -1,48 +1,43 @@
-"""The errors the rendezvous domain reports to callers.
+"""The refusals the rendezvous domain gives callers, beyond those the planner
+shares (commctx.common.errors: Refusal, BadRequest, Conflict).
 
-Each class stands for one answer a caller can act on; the servicer maps them to
-gRPC status codes in a single table. Messages name the offending values.
+Each class stands for one answer a caller can act on; the wire codec
+(rpc/codec.py) maps them to gRPC status codes in a single table. Messages name
+the offending values. (The client's public errors, commctx.errors, are named
+otherwise: they are what users catch.)
 """
 
+from commctx.common.errors import BadRequest, Conflict, Refusal
 
-class RendezvousError(Exception):
-    """Base class of every error reported to a caller."""
-
-
-class InvalidArgument(RendezvousError):
-    """A request field is empty, too long, malformed or out of range."""
-
-
-class Conflict(RendezvousError):
-    """The request disagrees with what the job already holds (its spec, a node's
-    rank, the address family of its members), or the job cannot form."""
+__all__ = ["AlreadyExists", "BadRequest", "Closed", "Conflict", "Full", "LimitExceeded", "NotFound", "NotLeader",
+           "Refusal", "Sealed", "SessionReplaced", "Stale", "Unavailable", "UnknownToken", "WaitTimeout"]
 
 
 class Closed(Conflict):
     """The job was closed (a launcher shut the run down): it takes no more joins."""
 
 
-class StaleGeneration(RendezvousError):
+class Stale(Refusal):
     """The caller names a generation other than the job's current one."""
 
 
-class AlreadyExists(RendezvousError):
+class AlreadyExists(Refusal):
     """A local rank or node rank that another worker already holds."""
 
 
-class JobFull(RendezvousError):
+class Full(Refusal):
     """The job already has all the workers its world needs."""
 
 
-class NotFound(RendezvousError):
+class NotFound(Refusal):
     """Unknown job or member (never joined, left, or its lease expired)."""
 
 
-class WaitTimeout(RendezvousError):
+class WaitTimeout(Refusal):
     """The world did not form within the caller's wait timeout."""
 
 
-class Unavailable(RendezvousError):
+class Unavailable(Refusal):
     """The server is shutting down and accepts no new work."""
 
 
@@ -55,17 +50,17 @@ class NotLeader(Unavailable):
         self.leader = leader
 
 
-class SessionReplaced(RendezvousError):
+class SessionReplaced(Refusal):
     """The member opened a newer session; this one ends (its end is no departure)."""
 
 
-class LimitExceeded(RendezvousError):
+class LimitExceeded(Refusal):
     """The server holds as much as one of its limits allows; the message names the limit."""
 
 
-class PermissionDenied(RendezvousError):
+class Sealed(Refusal):
     """The job is sealed and the call's job secret is missing or wrong."""
 
 
-class Unauthenticated(RendezvousError):
+class UnknownToken(Refusal):
     """The call carries no token, or one the server does not know."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import prometheus_client
 
-from commctx.addresses import host_port
+from commctx.common.addresses import host_port
 
 from .config import Config, from_env
 from .rendezvous.etcd import EtcdConfig, EtcdStore

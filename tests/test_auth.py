@@ -18,7 +18,7 @@ import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from commctx import CommContext, CommContextError, Unauthenticated
+from commctx import CommContext, UsageError, Unauthenticated
 from commctx.transport import error_reason
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -127,7 +127,7 @@ def test_a_worker_sends_its_token(tmp_path, monkeypatch):
         ctx = CommContext.join(server.address, job_id="tok2", world_size=1, timeout=30)
         assert ctx.assignment.world_size == 1
         ctx.destroy()
-        with pytest.raises(CommContextError, match="printable ASCII without spaces"):
+        with pytest.raises(UsageError, match="printable ASCII without spaces"):
             CommContext.join(server.address, job_id="tok3", world_size=1, timeout=5, token="two words")
     finally:
         server.stop()

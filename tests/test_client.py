@@ -18,7 +18,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from commctx import (
     CommContext,
-    CommContextError,
+    UsageError,
     CommMode,
     GroupNotFound,
     InvalidRequest,
@@ -126,7 +126,7 @@ def test_launcher_env_is_read_in_one_place():
     env = LauncherEnv.from_env({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "GLOO_SOCKET_IFNAME": "ib0"})
     assert (env.local_rank, env.local_world_size, env.gloo_socket_ifname, env.nccl_socket_ifname) == (3, 8, "ib0", None)
     assert LauncherEnv.from_env({}) == LauncherEnv()
-    with pytest.raises(CommContextError, match="LOCAL_RANK='x' is not a non-negative integer"):
+    with pytest.raises(UsageError, match="LOCAL_RANK='x' is not a non-negative integer"):
         LauncherEnv.from_env({"LOCAL_RANK": "x"})
 
 
@@ -149,19 +149,19 @@ def test_a_torchrun_worker_checks_its_assignment_against_torchruns_variables(tmp
 
     a = launched(torchrun).assignment
     assert (a.job_id, a.generation, a.rank, a.node_rank, a.local_rank, a.world_size) == ("tr", 3, 3, 1, 1, 4)
-    with pytest.raises(CommContextError, match=r"torchrun set RANK=2 but the rendezvous server assigned 3 \(generation 3 of job 'tr'\)"):
+    with pytest.raises(UsageError, match=r"torchrun set RANK=2 but the rendezvous server assigned 3 \(generation 3 of job 'tr'\)"):
         launched({**torchrun, "RANK": "2"})
-    with pytest.raises(CommContextError, match="torchrun did not set GROUP_RANK but the rendezvous server assigned 1 "):
+    with pytest.raises(UsageError, match="torchrun did not set GROUP_RANK but the rendezvous server assigned 1 "):
         launched({k: v for k, v in torchrun.items() if k != "GROUP_RANK"})
-    with pytest.raises(CommContextError, match="job_id 'other' disagrees with torchrun's --rdzv-id 'tr'"):
+    with pytest.raises(UsageError, match="job_id 'other' disagrees with torchrun's --rdzv-id 'tr'"):
         launched(torchrun, job_id="other")
-    with pytest.raises(CommContextError, match="world_size 8 disagrees with torchrun's world of 4"):
+    with pytest.raises(UsageError, match="world_size 8 disagrees with torchrun's world of 4"):
         launched(torchrun, world_size=8)
-    with pytest.raises(CommContextError, match="cannot read this worker's assignment from COMMCTX_TORCHRUN_WORLD=.*: list index"):
+    with pytest.raises(UsageError, match="cannot read this worker's assignment from COMMCTX_TORCHRUN_WORLD=.*: list index"):
         launched({**torchrun, "LOCAL_RANK": "5"})
-    with pytest.raises(CommContextError, match="cannot read this worker's assignment from COMMCTX_TORCHRUN_WORLD=/nonexistent"):
+    with pytest.raises(UsageError, match="cannot read this worker's assignment from COMMCTX_TORCHRUN_WORLD=/nonexistent"):
         launched({**torchrun, "COMMCTX_TORCHRUN_WORLD": "/nonexistent"})
-    with pytest.raises(CommContextError, match="RANK='x' is not a non-negative integer"):
+    with pytest.raises(UsageError, match="RANK='x' is not a non-negative integer"):
         LauncherEnv.from_env({**torchrun, "RANK": "x"})
     assert LauncherEnv.from_env({"RANK": "x"}).rank is None  # read only under torchrun on commctx
 
@@ -171,9 +171,9 @@ def test_uninitialised_context_says_so(monkeypatch):
     ctx = CommContext()
     assert CommContext() is ctx and not ctx.is_initialized()
     for call in (ctx.get_global_rank, ctx.is_main_rank, lambda: ctx.get_group(CommMode.GLOBAL), lambda: ctx.init_group([0], "X")):
-        with pytest.raises(CommContextError, match="not initialised"):
+        with pytest.raises(UsageError, match="not initialised"):
             call()
-    with pytest.raises(CommContextError, match="local rank unknown"):
+    with pytest.raises(UsageError, match="local rank unknown"):
         ctx.get_in_node_rank()
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -183,7 +183,7 @@ def test_uninitialised_context_says_so(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_backend_auto_is_gloo_without_cuda_and_nccl_is_refused():
     assert resolve_backend("auto") == "gloo"
-    with pytest.raises(CommContextError, match="backend 'nccl' needs a CUDA device"):
+    with pytest.raises(UsageError, match="backend 'nccl' needs a CUDA device"):
         resolve_backend("nccl")
 
 
@@ -207,7 +207,7 @@ def test_init_distributed_env_alone_like_the_seed():
         ctx.init_group([0], mode=None, backend="gloo")
     with pytest.raises(GroupNotFound, match="rank 0 has no TENSOR_PARALLEL group"):
         ctx.get_group(ParallelMode.TENSOR_PARALLEL)
-    with pytest.raises(CommContextError, match="already initialised"):
+    with pytest.raises(UsageError, match="already initialised"):
         ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url="tcp://127.0.0.1:1")
     ctx.destroy()
     assert not dist.is_initialized()
@@ -222,7 +222,7 @@ def test_join_a_one_worker_job(server, monkeypatch):
     assert ctx.get_ranks_in_group(CommMode.INTRA_NODE) == [0]
     assert ctx.get_group(CommMode.INTRA_NODE) is dist.group.WORLD  # a group of the whole world is WORLD
     assert os.environ["MASTER_PORT"] == str(a.master_port) and a.dist_url.endswith(f":{a.master_port}")
-    with pytest.raises(CommContextError, match="already initialised"):
+    with pytest.raises(UsageError, match="already initialised"):
         CommContext.join(server.address, job_id="solo2", world_size=1)
     ctx.destroy()
     assert os.environ["MASTER_PORT"] == "1"
@@ -279,13 +279,13 @@ def test_a_missing_torch_internal_is_a_commctx_error_naming_the_version(monkeypa
 
     _torch._helper_keywords.cache_clear()
     monkeypatch.delattr(c10d, "_new_process_group_helper")
-    with pytest.raises(CommContextError, match=rf"torch {re.escape(torch.__version__)} lacks torch.distributed.distributed_c10d._new_process_group_helper, "
+    with pytest.raises(UsageError, match=rf"torch {re.escape(torch.__version__)} lacks torch.distributed.distributed_c10d._new_process_group_helper, "
                                                r"which commctx uses to create member-only groups \(tested with torch 2.13\)"):
         _torch.new_member_group([0], "gloo", "g", datetime.timedelta(seconds=1))
     _torch._helper_keywords.cache_clear()
     monkeypatch.delattr(c10d, "_abort_process_group")
     assert not _torch.can_abort()
-    with pytest.raises(CommContextError, match="_abort_process_group"):
+    with pytest.raises(UsageError, match="_abort_process_group"):
         _torch.abort_process_groups()
 
     class OldTCPStore:
@@ -294,7 +294,7 @@ def test_a_missing_torch_internal_is_a_commctx_error_naming_the_version(monkeypa
                 raise TypeError("__init__() got an unexpected keyword argument 'master_listen_fd'")
 
     monkeypatch.setattr(dist, "TCPStore", OldTCPStore)
-    with socket.socket() as sock, pytest.raises(CommContextError, match=r"lacks TCPStore\(master_listen_fd=...\)"):
+    with socket.socket() as sock, pytest.raises(UsageError, match=r"lacks TCPStore\(master_listen_fd=...\)"):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         _torch.store_on_socket("127.0.0.1", sock.getsockname()[1], 1, datetime.timedelta(seconds=1), sock)

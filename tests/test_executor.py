@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from commctx.server.errors import NotFound, Unavailable
-from commctx.server.planning import JobSpec
+from commctx.common.planning import JobSpec
 from commctx.server.rendezvous.executor import Executor
 from commctx.server.rendezvous.waiting import Waiters
 from commctx.server.rendezvous.machine import Rendezvous

@@ -45,7 +45,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.server import start_server
-from commctx.server.planning.spec import MAX_WORLD_SIZE
+from commctx.common.planning.spec import MAX_WORLD_SIZE
 from commctx.server.rendezvous.model import Limits
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc

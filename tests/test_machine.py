@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from commctx.server.errors import AlreadyExists, Closed, Conflict, InvalidArgument, JobFull, NotFound, StaleGeneration
-from commctx.server.planning import JobSpec, PlanError, plan_world
+from commctx.server.errors import AlreadyExists, Closed, Conflict, BadRequest, Full, NotFound, Stale
+from commctx.common.planning import JobSpec, PlanError, plan_world
 from commctx.server.rendezvous.machine import Actions, Rendezvous
-from commctx.server.rendezvous.model import Limits, Gone, JobState, JobStopped, MemberGone, NewWorld, Replaced, WorldChange
+from commctx.server.rendezvous.model import Limits, Gone, JobState, JobStopped, MemberGone, NewWorld, Replaced, Reforming
 from commctx.server.rendezvous.params import JoinParams
 from commctx.server.rendezvous.store import DeleteJob, DeleteMember, MemoryStore, PutEvent, PutJob, PutMember
 
@@ -127,7 +127,7 @@ def test_roles_are_counted_and_checked(rdzv):
     with pytest.raises(Conflict, match="declares roles trainer:1, rollout:1 but this worker joined as role 'critic'"):
         rdzv.join(params(spec, role="critic"))
     join(rdzv, params(spec, role="trainer"))
-    with pytest.raises(JobFull, match="already has all 1 workers of role 'trainer'"):
+    with pytest.raises(Full, match="already has all 1 workers of role 'trainer'"):
         rdzv.join(params(spec, role="trainer"))
     with pytest.raises(Conflict, match="declares roles trainer:1, rollout:1 but this worker joined as role 'critic'"):
         rdzv.join(params(spec, role="critic"))
@@ -297,7 +297,7 @@ def test_survivors_hear_of_a_wait_that_began_while_their_world_was_planned(clock
     _, actions = join(rdzv, params(spec, "n3"))  # a newcomer opens a last call: the plan in flight is stale
     assert not actions.pushes and not actions.plans
     actions = plan_now(rdzv, request)
-    change = WorldChange(1, f"member {ids[2]} (node 'n2', rank 2) expired")
+    change = Reforming(1, f"member {ids[2]} (node 'n2', rank 2) expired")
     assert not worlds(actions) and all(pushed(actions, sinks[m]) == [change] for m in ids[:2])
     assert rdzv.describe("job").state is JobState.FORMING
 
@@ -407,7 +407,7 @@ def test_a_reattach_with_a_wrong_secret_or_an_older_generation_does_not_keep_the
     rdzv.close_session("job", ids[2], sinks[ids[2]], departed=True)
     with pytest.raises(NotFound):
         rdzv.open_session("job", ids[2], 1, Sink("stranger"), secret=secrets[0])
-    with pytest.raises(StaleGeneration, match="holds generation 1; a session naming generation 0"):
+    with pytest.raises(Stale, match="holds generation 1; a session naming generation 0"):
         rdzv.open_session("job", ids[2], 0, Sink("stale"), secret=secrets[2])
     clock.now += GRACE
     actions, _ = rdzv.expire_due()
@@ -519,7 +519,7 @@ def test_an_expiry_storm_is_served_in_slices(rdzv, clock):
 
 def test_keepalive_with_another_generation_is_stale(rdzv):
     (m, _) = join(rdzv, params(JobSpec.build(1)))
-    with pytest.raises(StaleGeneration, match="holds generation 2 but the current generation is 1"):
+    with pytest.raises(Stale, match="holds generation 2 but the current generation is 1"):
         rdzv.keep_alive("job", m, 2)
     assert rdzv.keep_alive("job", m, 0)[:2] == (TTL, 1)  # 0: "I hold no assignment yet"
 
@@ -541,7 +541,7 @@ def test_a_late_joiner_grows_the_world_and_survivors_get_one_message(rdzv, clock
     c, actions = join(rdzv, params(spec, "n0"))
     (world,) = worlds(actions)
     assert world.generation == 2 and ranks(rdzv) == {a: 0, c: 1, b: 2}  # n0 (a, c), then n1 (b): b keeps node rank 1
-    assert pushed(actions, sinks[a]) == [world] and pushed(actions, sinks[b]) == [world]  # no WorldChange first
+    assert pushed(actions, sinks[a]) == [world] and pushed(actions, sinks[b]) == [world]  # no Reforming first
     pa, pb_ = world.assignment_for(a), world.assignment_for(b)
     assert (pa.previous_rank, pb_.previous_rank, pb_.placement.rank) == (0, 1, 2)
     assert "1 worker waiting to join can grow the world" in pa.reason
@@ -601,7 +601,7 @@ def test_a_dead_hosts_other_workers_are_awaited_not_seated(rdzv, clock):
     actions, _ = rdzv.expire_due()  # b0 runs out; b1 (renewed 7 s ago) is stale: awaited, not seated
     assert DeleteMember("job", ids[2]) in actions.writes and not worlds(actions)
     (change,) = pushed(actions, sinks[ids[0]])
-    assert isinstance(change, WorldChange) and "expired" in change.reason
+    assert isinstance(change, Reforming) and "expired" in change.reason
     view = rdzv.describe("job")
     assert (view.state, view.not_ready) == (JobState.FORMING, 1)
     a_renews_until(13.01)
@@ -633,7 +633,7 @@ def test_rank_0s_spare_is_given_once(rdzv):
     rdzv.open_session("job", a, 1, sink, spare_port=0)  # it has not offered a new spare yet
     _, actions = join(rdzv, params(spec, "n1", port=2222))
     assert not worlds(actions)  # rank 0 would be a again, whose port serves the old store
-    assert pushed(actions, sink) == [WorldChange(1, "1 worker waiting to join can grow the world")]
+    assert pushed(actions, sink) == [Reforming(1, "1 worker waiting to join can grow the world")]
     _, actions = rdzv.renew("job", a, 0, spare_port=3333)  # an old generation's message: its port does not count
     assert not worlds(actions)
     _, actions = rdzv.renew("job", a, 1, spare_port=3333)
@@ -752,7 +752,7 @@ def test_a_world_restored_while_re_forming_awaits_its_survivors(clock):
     second.restore(store.load(), grace_s=TTL)
     sink = Sink("a")
     _, missed, actions = second.open_session("job", ids[0], 1, sink, spare_port=7777)  # rank 0 offers its spare again
-    assert [type(e) for e in missed] == [WorldChange] and not worlds(actions)
+    assert [type(e) for e in missed] == [Reforming] and not worlds(actions)
     _, actions = second.renew("job", ids[1], 1)
     (world,) = worlds(actions)
     assert world.generation == 2 and set(world.plan.ranks) == set(ids[:2]) and pushed(actions, sink) == [world]
@@ -889,24 +889,24 @@ def test_a_node_membership_takes_its_node_alone_and_counts_its_workers(rdzv):
     join(rdzv, node(spec, "a", 2, role="t"))
     with pytest.raises(AlreadyExists, match="node 'a' of job 'job' is already joined as a whole node by its launcher"):
         rdzv.join(params(spec, "a", role="r"))
-    with pytest.raises(JobFull, match="already has all 2 workers of role 't'"):
+    with pytest.raises(Full, match="already has all 2 workers of role 't'"):
         rdzv.join(node(spec, "b", 2, role="t"))
     join(rdzv, params(spec, "b", role="r"))
     with pytest.raises(AlreadyExists, match="node 'b' of job 'job' is already joined; a node membership"):
         rdzv.join(node(spec, "b", 2, role="r"))
     join(rdzv, params(spec, "c", role="r"))
-    with pytest.raises(JobFull, match="has 4 of 5 workers; node 'd' cannot add 2 more"):
+    with pytest.raises(Full, match="has 4 of 5 workers; node 'd' cannot add 2 more"):
         rdzv.join(node(spec, "d", 2, role="r"))
     assert (rdzv.stats().members, rdzv.stats().waiting) == (4, 4)  # the metrics count workers, both of them
 
 
 def test_node_membership_parameters_are_checked():
     spec = JobSpec.build(4)
-    with pytest.raises(InvalidArgument, match=r"workers 5 is out of range 1..4 \(world_size 4; "):
+    with pytest.raises(BadRequest, match=r"workers 5 is out of range 1..4 \(world_size 4; "):
         node(spec, "a", 5)
-    with pytest.raises(InvalidArgument, match="workers 1025 is out of range 1..1024 .* holds at most 1024"):
+    with pytest.raises(BadRequest, match="workers 1025 is out of range 1..1024 .* holds at most 1024"):
         node(JobSpec.build(1 << 20), "a", 1025)  # one Join's answer carries each worker's assignment
-    with pytest.raises(InvalidArgument, match="local_rank 1 cannot be given with workers 2"):
+    with pytest.raises(BadRequest, match="local_rank 1 cannot be given with workers 2"):
         node(spec, "a", 2, local_rank=1)
 
 
@@ -973,7 +973,7 @@ def test_a_launcher_restarting_its_workers_re_forms_the_world_once(rdzv, clock):
     rdzv.open_session("job", b, 1, sink_b)
     actions = rdzv.restart("job", b, 1)  # b's worker failed; its agent restarts
     # a may be dead (a failed peer is the usual cause): it is awaited until it renews
-    assert pushed(actions, sink_a) == [WorldChange(1, "node 'b' restarts its workers")]
+    assert pushed(actions, sink_a) == [Reforming(1, "node 'b' restarts its workers")]
     _, actions = rdzv.renew("job", a, 1)
     (event,) = pushed(actions, sink_a)
     assert isinstance(event, NewWorld) and event.generation == 2 and event.reason == "node 'b' restarts its workers"
@@ -1111,7 +1111,7 @@ def test_a_node_beyond_the_maximum_waits_as_a_standby_and_replaces_a_lost_node(r
     assert world.generation == 2 and sorted(n.node_key for n in world.plan.nodes) == ["a", "c"]
     d, _ = join(rdzv, node_params(spec, "d", 1))
     e, _ = join(rdzv, node_params(spec, "e", 1))
-    with pytest.raises(JobFull, match="all 2 nodes and as many standbys"):
+    with pytest.raises(Full, match="all 2 nodes and as many standbys"):
         rdzv.join(node_params(spec, "f", 1))
 
 
@@ -1125,7 +1125,7 @@ def test_an_elastic_job_of_nodes_forms_at_its_minimum_after_the_last_call_and_gr
     assert world.plan.world_size == 1
     sink = sessions(rdzv, [a], job="run")[a]
     _, actions = join(rdzv, node_params(spec, "b", 4))  # below the maximum: it grows the world
-    assert [type(e).__name__ for e in pushed(actions, sink)] == ["WorldChange"]
+    assert [type(e).__name__ for e in pushed(actions, sink)] == ["Reforming"]
     for _ in range(10):  # a keeps renewing through the last call
         clock.now += 3
         rdzv.renew("run", a, 1)

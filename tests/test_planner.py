@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commctx.modes import GLOBAL, INTER_NODE, INTRA_NODE
-from commctx.server.planning import (
+from commctx.common.modes import GLOBAL, INTER_NODE, INTRA_NODE
+from commctx.common.planning import (
     Candidate,
     JobSpec,
     PlanError,
@@ -26,7 +26,7 @@ from commctx.server.planning import (
 
 
 @pytest.mark.parametrize("module, allowed", [
-    ("commctx.server.planning", ()),
+    ("commctx.common.planning", ()),
     ("commctx.server.rendezvous.machine", ()),  # the state machine: no event loop either
     ("commctx.server.rendezvous.executor", ("asyncio",)),
 ])

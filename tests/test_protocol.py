@@ -634,7 +634,7 @@ async def test_a_retried_join_takes_over_from_the_call_it_retries(stub):
 async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the_loop(monkeypatch):
     import threading
 
-    from commctx.server.errors import InvalidArgument
+    from commctx.server.errors import BadRequest
     from commctx.server.rendezvous.model import Limits
     from commctx.server.rpc import codec
 
@@ -653,7 +653,7 @@ async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the
     assert len(threads) == 2  # the second time from the cache
     bad = pb.JoinRequest(spec=pb.JobSpec(world_size=2, cpu_twins=["NOPE"]))
     for _ in range(2):
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(BadRequest):
             await cache.spec_of(bad, limits)
     assert len(threads) == 4 and len(cache._specs) == 2  # a rejected spec is parsed each time, never kept
     for n in range(3, 3 + codec.SpecCache.SIZE):

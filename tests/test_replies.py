@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from commctx.server.rendezvous.params import JoinParams
-from commctx.server.planning import JobSpec
+from commctx.common.planning import JobSpec
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .conftest import eventually, join_request

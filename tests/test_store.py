@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.server.errors import NotFound
-from commctx.server.planning import JobSpec, SeatedNode, Seating
+from commctx.common.planning import JobSpec, SeatedNode, Seating
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobEvent, JobState
 from commctx.server.rendezvous.params import JoinParams, job_secret_digest, secret_digest

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from commctx import CommContext, CommContextError
+from commctx import CommContext, UsageError
 from commctx.transport import Tls
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -145,7 +145,7 @@ def test_tls_mistakes_are_named(pki, tmp_path):
     assert unreadable.returncode == 1
     assert unreadable.stderr.strip() == f"commctx-server: cannot read --tls-cert {tmp_path / 'missing.pem'}: No such file or directory"
 
-    with pytest.raises(CommContextError, match="needs its key"):
+    with pytest.raises(UsageError, match="needs its key"):
         Tls(cert=pki["client_cert"])
-    with pytest.raises(CommContextError, match=r"cannot read tls_ca '/nonexistent/ca.pem': No such file or directory"):
+    with pytest.raises(UsageError, match=r"cannot read tls_ca '/nonexistent/ca.pem': No such file or directory"):
         CommContext.join("127.0.0.1:1", job_id="j", world_size=1, tls_ca="/nonexistent/ca.pem", timeout=1)

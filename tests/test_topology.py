@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commctx.modes import LAYOUT_MODES as DIM_MODES
-from commctx.server.errors import Conflict, InvalidArgument
-from commctx.server.planning import DIMS, Candidate, JobSpec, PlanError, expand, layout_groups, plan_world
+from commctx.common.modes import LAYOUT_MODES as DIM_MODES
+from commctx.server.errors import Conflict, BadRequest
+from commctx.common.planning import DIMS, Candidate, JobSpec, PlanError, expand, layout_groups, plan_world
 
 
 def spec(world_size: int, **kw) -> dict:
@@ -142,23 +142,23 @@ def test_weight_transfer_without_a_sender_on_a_node():
     [
         (spec(12, layout=dict(tp=2, dp=2, pp=4)), Conflict, "tp×cp×ep×dp×pp = 2×1×1×2×4 = 16 but world_size is 12"),
         (spec(12, layout=dict(tp=8)), Conflict, "world_size 12 is not divisible by tp×cp×ep×pp = 8×1×1×1 = 8"),
-        (spec(4, layout=dict(tp=2, order="tp-xx")), InvalidArgument, "'xx' is not one of tp, cp, ep, dp, pp"),
-        (spec(4, layout=dict(tp=2, order="tp-tp")), InvalidArgument, "names a dimension twice"),
-        (spec(4, layout=dict(tp=2, order="tp-pp")), InvalidArgument, "leaves out dp, whose size is 2"),
-        (spec(4, layout=dict(within_node=["zz"])), InvalidArgument, "within_node 'zz'"),
+        (spec(4, layout=dict(tp=2, order="tp-xx")), BadRequest, "'xx' is not one of tp, cp, ep, dp, pp"),
+        (spec(4, layout=dict(tp=2, order="tp-tp")), BadRequest, "names a dimension twice"),
+        (spec(4, layout=dict(tp=2, order="tp-pp")), BadRequest, "leaves out dp, whose size is 2"),
+        (spec(4, layout=dict(within_node=["zz"])), BadRequest, "within_node 'zz'"),
         (spec(8, roles=[dict(role="trainer", count=2), dict(role="rollout", count=4)]), Conflict,
          "role counts add up to 6 (trainer 2 + rollout 4) but world_size is 8"),
-        (spec(2, roles=[dict(role="a", count=0)]), InvalidArgument, "role 'a' has count 0"),
-        (spec(2, groups=[dict(mode="GLOBAL", role_group=dict(roles=["a"]))]), InvalidArgument, "mode 'GLOBAL' is defined twice"),
-        (spec(2, layout=dict(), groups=[dict(mode="EXPERT", role_group=dict(roles=["a"]))]), InvalidArgument, "'EXPERT' is defined twice"),
-        (spec(2, groups=[dict(mode="9bad", role_group=dict(roles=["a"]))]), InvalidArgument, "groups.mode '9bad' is malformed"),
-        (spec(2, groups=[dict(mode="X")]), InvalidArgument, "group 'X' has no kind"),
-        (spec(2, roles=[dict(role="a", count=2)], groups=[dict(mode="X", role_group=dict(roles=["b"]))]), InvalidArgument,
+        (spec(2, roles=[dict(role="a", count=0)]), BadRequest, "role 'a' has count 0"),
+        (spec(2, groups=[dict(mode="GLOBAL", role_group=dict(roles=["a"]))]), BadRequest, "mode 'GLOBAL' is defined twice"),
+        (spec(2, layout=dict(), groups=[dict(mode="EXPERT", role_group=dict(roles=["a"]))]), BadRequest, "'EXPERT' is defined twice"),
+        (spec(2, groups=[dict(mode="9bad", role_group=dict(roles=["a"]))]), BadRequest, "groups.mode '9bad' is malformed"),
+        (spec(2, groups=[dict(mode="X")]), BadRequest, "group 'X' has no kind"),
+        (spec(2, roles=[dict(role="a", count=2)], groups=[dict(mode="X", role_group=dict(roles=["b"]))]), BadRequest,
          "names role 'b', which spec.roles does not declare"),
-        (spec(4, groups=[dict(mode="X", named=dict(groups=[dict(ranks=[0, 9])]))]), InvalidArgument, "names rank 9, not below world_size 4"),
-        (spec(4, groups=[dict(mode="X", named=dict(groups=[dict(ranks=[0, 1]), dict(ranks=[1, 2])]))]), InvalidArgument,
+        (spec(4, groups=[dict(mode="X", named=dict(groups=[dict(ranks=[0, 9])]))]), BadRequest, "names rank 9, not below world_size 4"),
+        (spec(4, groups=[dict(mode="X", named=dict(groups=[dict(ranks=[0, 1]), dict(ranks=[1, 2])]))]), BadRequest,
          "puts rank 1 in two groups"),
-        (spec(4, cpu_twins=["NOPE"]), InvalidArgument, "cpu_twins names mode 'NOPE'"),
+        (spec(4, cpu_twins=["NOPE"]), BadRequest, "cpu_twins names mode 'NOPE'"),
     ],
 )
 def test_spec_errors_name_the_numbers(s, error, message):

@@ -14,10 +14,10 @@ from ..errors import (
     AlreadyExists,
     Closed,
     Conflict,
-    JobFull,
+    Full,
     LimitExceeded,
-    PermissionDenied,
-    RendezvousError,
+    Sealed,
+    Refusal,
 )
 from .actions import Actions
 from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note
@@ -44,7 +44,7 @@ class Admission:
                 disagrees with the job, the job has failed or ended, or a
                 member id is reused with other parameters.
             AlreadyExists: the local rank or node rank is held by another worker.
-            JobFull: the job (or the role) already has all its workers.
+            Full: the job (or the role) already has all its workers.
             LimitExceeded: the server holds its maximum of members or jobs, or
                 the caller its share of jobs (shares.py).
         """
@@ -64,7 +64,7 @@ class Admission:
                         f"in job {p.job_id!r}; node {p.node_key!r} cannot take it"
                     )
                 self._check_room(p)
-            except RendezvousError as exc:
+            except Refusal as exc:
                 self._refused(job, p, exc)
                 raise
         else:
@@ -112,7 +112,7 @@ class Admission:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_members} members (--max-members); "
                                 f"node {p.node_key!r} cannot join job {p.job_id!r} now")
 
-    def _refused(self, job: Job, p: JoinParams, exc: RendezvousError) -> None:
+    def _refused(self, job: Job, p: JoinParams, exc: Refusal) -> None:
         """Counts a refused join in the job; records it in the job's history
         unless the same refusal was recorded within Refusals.QUIET_S."""
         reason = str(exc)
@@ -179,7 +179,7 @@ class Admission:
         self.guesses.check(caller, job.job_id)
         if job.seal and not hmac.compare_digest(job.seal, p.seal):
             self.guesses.failed(caller, job.job_id)
-            raise PermissionDenied(f"job {job.job_id!r} is sealed: this join's job_secret is missing or wrong")
+            raise Sealed(f"job {job.job_id!r} is sealed: this join's job_secret is missing or wrong")
         if p.seal and not job.seal:
             raise Conflict(f"job {job.job_id!r} is not sealed, but this join carries a job_secret; "
                            f"every worker of a job passes the same one, or none")
@@ -195,23 +195,23 @@ class Admission:
             raise Conflict(f"job {job.job_id!r} has ended ({job.reason}); use another job id or wait until its members have left")
         if job.spec.nodes:  # a job of nodes: beyond its maximum, as many again wait as standbys
             if job.units >= 2 * job.spec.world_size:
-                raise JobFull(f"job {job.job_id!r} has all {job.spec.world_size} nodes and as many standbys; node "
+                raise Full(f"job {job.job_id!r} has all {job.spec.world_size} nodes and as many standbys; node "
                               f"{p.node_key!r} cannot join it")
         elif job.workers + p.workers > job.spec.world_size:
             if job.workers >= job.spec.world_size:
-                raise JobFull(
+                raise Full(
                     f"job {job.job_id!r} already has all {job.spec.world_size} workers "
                     f"(generation {job.generation}); node {p.node_key!r} cannot join it"
                 )
-            raise JobFull(f"job {job.job_id!r} has {job.workers} of {job.spec.world_size} workers; node {p.node_key!r} "
+            raise Full(f"job {job.job_id!r} has {job.workers} of {job.spec.world_size} workers; node {p.node_key!r} "
                           f"cannot add {p.workers} more")
         job.spec.check_declared(job.job_id, p.role)
         declared = job.spec.role_count(p.role)
         held = job.role_counts.get(p.role, 0)
         if declared is not None and held + p.workers > declared:
             if held >= declared:
-                raise JobFull(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
-            raise JobFull(f"job {job.job_id!r} has {held} of its {declared} workers of role {p.role!r}; "
+                raise Full(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
+            raise Full(f"job {job.job_id!r} has {held} of its {declared} workers of role {p.role!r}; "
                           f"node {p.node_key!r} cannot add {p.workers} more")
         if p.loopback != job.loopback:
             first = next(iter(job.nodes.values()))

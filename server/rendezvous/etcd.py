@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from ..planning import JobSpec
+from commctx.common.planning import JobSpec
 from .model import JobEvent
 from .store import (
     DeleteJob,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from ..planning import JobSpec, PlanError, WorldPlan, elide, plan_world
+from commctx.common.planning import JobSpec, PlanError, WorldPlan, elide, plan_world
 from .actions import Actions
 from .model import (
     EventKind,
@@ -20,7 +20,7 @@ from .model import (
     NewWorld,
     Note,
     PlanRequest,
-    WorldChange,
+    Reforming,
 )
 from .store import PutJob, PutMember, member_record
 
@@ -68,7 +68,7 @@ class Forming:
         if job.announced or job.planning == job.version:
             return
         job.announced = True
-        change = WorldChange(job.generation, job.reason)
+        change = Reforming(job.generation, job.reason)
         for mid in job.survivors():
             sink = job.members[mid].session
             if sink is not None:
@@ -234,7 +234,7 @@ class Forming:
         actions.writes.append(PutJob(self._record(job)))
         world = NewWorld(job.job_id, job.generation, plan, previous, reason)
         if previous is not None:
-            change = WorldChange(job.generation - 1, reason)
+            change = Reforming(job.generation - 1, reason)
             for mid, m in members.items():
                 if m.session is not None:
                     if mid in plan.ranks:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 
 from ..errors import NotFound
-from ..planning import elide
+from commctx.common.planning import elide
 from .actions import Actions
 from .model import EventKind, Job, JobEvent
 from .shares import SERVER, Caller
@@ -59,7 +59,7 @@ class Recording:
 
         Raises:
             NotFound: an unknown job.
-            PermissionDenied: the job is sealed and `secret` does not open it.
+            Sealed: the job is sealed and `secret` does not open it.
         """
         job = self._jobs.get(job_id)
         if job is not None:

@@ -13,8 +13,8 @@ import logging
 import math
 
 from ..errors import (
-    InvalidArgument,
-    StaleGeneration,
+    BadRequest,
+    Stale,
 )
 from .actions import Actions
 from .model import (
@@ -30,7 +30,7 @@ from .model import (
     Note,
     Replaced,
     SessionEvent,
-    WorldChange,
+    Reforming,
 )
 from .shares import JOBS, SERVER, Caller
 from .store import DeleteJob, DeleteMember, PutJob, PutMember, member_record
@@ -65,13 +65,13 @@ class Leases:
 
         Raises:
             NotFound: unknown job or member, or not its secret.
-            StaleGeneration: the session names a generation older than one the
+            Stale: the session names a generation older than one the
                 member's sessions named before (a stale process): it takes nothing over.
         """
         job = self._job(job_id)
         member = self._member(job, member_id, secret)
         if generation < member.generation:
-            raise StaleGeneration(f"member {member_id} of job {job_id!r} holds generation {member.generation}; a session "
+            raise Stale(f"member {member_id} of job {job_id!r} holds generation {member.generation}; a session "
                                   f"naming generation {generation} cannot take over its membership")
         older = member.session  # renew() below takes a DETACHED member back
         missed: list[SessionEvent] = []
@@ -83,7 +83,7 @@ class Leases:
             if job.state is JobState.FORMED and generation < job.generation:
                 missed.append(NewWorld(job_id, job.generation, job.plan, job.previous_plan, job.reason))
             elif job.state is JobState.FORMING and job.announced:
-                missed.append(WorldChange(job.generation, job.reason))
+                missed.append(Reforming(job.generation, job.reason))
         member.session = sink
         _, actions = self.renew(job_id, member_id, generation, spare_port)
         if older is not None and older is not sink:
@@ -125,11 +125,11 @@ class Leases:
             The job's current generation, and actions.
 
         Raises:
-            InvalidArgument: a spare port out of range.
+            BadRequest: a spare port out of range.
             NotFound: unknown job or member.
         """
         if not 0 <= spare_port <= 65535:
-            raise InvalidArgument(f"spare_port {spare_port} is out of range 1..65535 (0: unchanged)")
+            raise BadRequest(f"spare_port {spare_port} is out of range 1..65535 (0: unchanged)")
         job = self._job(job_id)
         member = self._member(job, member_id)
         actions = Actions()
@@ -169,7 +169,7 @@ class Leases:
         actions = Actions()
         if job.state is JobState.FORMED and generation == job.generation and job.in_world(member_id):
             # A worker failing is often a peer's node dying: seat only survivors
-            # that renew after this (sessions renew at once on the WorldChange).
+            # that renew after this (sessions renew at once on the Reforming).
             self._change(job, f"node {member.node_key!r} restarts its workers", actions, confirmed=member_id)
         return actions
 
@@ -181,12 +181,12 @@ class Leases:
 
         Raises:
             NotFound: unknown job or member, or not its secret.
-            StaleGeneration: `generation` is neither 0 nor the job's current one.
+            Stale: `generation` is neither 0 nor the job's current one.
         """
         job = self._job(job_id)
         self._member(job, member_id, secret)
         if generation and generation != job.generation:
-            raise StaleGeneration(
+            raise Stale(
                 f"member {member_id} of job {job_id!r} holds generation {generation} but the "
                 f"current generation is {job.generation}"
             )
@@ -201,7 +201,7 @@ class Leases:
         later joins refused while the job is kept.
 
         Raises:
-            PermissionDenied: the job is sealed and `job_secret` does not open it.
+            Sealed: the job is sealed and `job_secret` does not open it.
             NotFound: unknown job or member, or not its secret.
         """
         job = self._job(job_id)

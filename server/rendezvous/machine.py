@@ -27,7 +27,7 @@ awaited until they renew or expire. When a host dies, its workers' leases run
 out one by one; the first expiry finds the others already stale, so the next
 world forms without them rather than seating the dead. With nobody awaited
 the world forms at once and each survivor gets one message, its new
-assignment; otherwise survivors are told at once (WorldChange) and get the
+assignment; otherwise survivors are told at once (Reforming) and get the
 assignment when it forms. Survivors keep their node and local ranks where the
 new shape allows (the rank rule in planning/world.py).
 
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..errors import NotFound
-from ..planning import elide
+from commctx.common.planning import elide
 from .actions import Actions
 from .admission import Admission
 from .deadlines import Deadlines

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 
-from ..planning import Candidate, JobSpec, Placement, WorldPlan
+from commctx.common.planning import Candidate, JobSpec, Placement, WorldPlan
 from .params import JoinParams
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Joined(NamedTuple):
     joined: int
 
 
-class Assignment(NamedTuple):
+class Seat(NamedTuple):
     """A member's seat in the world of one generation."""
 
     job_id: str
@@ -108,7 +108,7 @@ class Assignment(NamedTuple):
 @dataclasses.dataclass(frozen=True, slots=True)
 class NewWorld:
     """A world that formed: the event pushed to its survivors, and what its
-    Join waiters wake to. Each member's Assignment is derived on demand, by
+    Join waiters wake to. Each member's Seat is derived on demand, by
     whoever delivers it, so forming a world of ten thousand costs the state
     machine one object rather than ten thousand."""
 
@@ -118,7 +118,7 @@ class NewWorld:
     previous: WorldPlan | None  # the world it replaces
     reason: str = ""
 
-    def assignment_for(self, member_id: str) -> Assignment | None:
+    def assignment_for(self, member_id: str) -> Seat | None:
         p = self.plan.placement(member_id)
         if p is None:
             return None
@@ -130,10 +130,10 @@ class NewWorld:
             # RankSets are canonical: equal runs mean equal members, with no list expanded.
             old = {g.mode: g.ranks for g in self.previous.groups_of(before)}
             changed = tuple(g.mode for g in groups if old.get(g.mode) != g.ranks)
-        return Assignment(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason)
+        return Seat(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason)
 
 
-class WorldChange(NamedTuple):
+class Reforming(NamedTuple):
     """The world of `generation` is being re-formed and the next one cannot form yet."""
 
     generation: int
@@ -154,7 +154,7 @@ class Replaced(NamedTuple):
     reason: str
 
 
-SessionEvent = WorldChange | NewWorld | Gone | Replaced
+SessionEvent = Reforming | NewWorld | Gone | Replaced
 
 
 class JobStopped(NamedTuple):

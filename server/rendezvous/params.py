@@ -9,10 +9,10 @@ import hmac
 import re
 from typing import NamedTuple
 
-from commctx.addresses import canonical_ip
+from commctx.common.addresses import canonical_ip
 
-from ..errors import InvalidArgument
-from ..planning import NODE_KEY, JobSpec, check_name, check_role, elide
+from ..errors import BadRequest
+from commctx.common.planning import NODE_KEY, JobSpec, check_name, check_role, elide
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
@@ -23,15 +23,15 @@ MAX_NODE_WORKERS = 1024  # workers of one node membership: its Join answers with
 
 def check_job_id(value: str) -> str:
     if not value:
-        raise InvalidArgument("job_id is empty")
+        raise BadRequest("job_id is empty")
     if len(value) > 128:
-        raise InvalidArgument(f"job_id {elide(value, 32)} is {len(value)} characters; at most 128 allowed")
+        raise BadRequest(f"job_id {elide(value, 32)} is {len(value)} characters; at most 128 allowed")
     return check_name("job_id", value, JOB_ID, "use letters, digits, '.', '_' and '-', starting with a letter or digit")
 
 
 def check_member_id(value: str) -> str:
     if not value:
-        raise InvalidArgument("member_id is empty")
+        raise BadRequest("member_id is empty")
     return check_name("member_id", value, MEMBER_ID, "a member id is the hex string Join returned")
 
 
@@ -39,10 +39,10 @@ def secret_digest(secret: str) -> str:
     """The SHA-256 digest (hex) under which a member secret is kept.
 
     Raises:
-        InvalidArgument: the secret is malformed (the message never echoes it).
+        BadRequest: the secret is malformed (the message never echoes it).
     """
     if not MEMBER_SECRET.fullmatch(secret):
-        raise InvalidArgument(f"member_secret is malformed ({len(secret)} characters): give 32-128 lowercase hex digits")
+        raise BadRequest(f"member_secret is malformed ({len(secret)} characters): give 32-128 lowercase hex digits")
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
@@ -50,10 +50,10 @@ def job_secret_digest(secret: str) -> str:
     """The SHA-256 digest (hex) under which a job secret is kept.
 
     Raises:
-        InvalidArgument: the secret is malformed (the message never echoes it).
+        BadRequest: the secret is malformed (the message never echoes it).
     """
     if not 16 <= len(secret) <= 256 or not secret.isascii() or not secret.isprintable() or " " in secret:
-        raise InvalidArgument(f"job_secret is malformed ({len(secret)} characters): give 16-256 printable ASCII characters, "
+        raise BadRequest(f"job_secret is malformed ({len(secret)} characters): give 16-256 printable ASCII characters, "
                               f"no spaces")
     return hashlib.sha256(b"job:" + secret.encode()).hexdigest()
 
@@ -64,7 +64,7 @@ def job_secret_matches(seal: str, secret: str) -> bool:
         return True
     try:
         return hmac.compare_digest(seal, job_secret_digest(secret))
-    except InvalidArgument:
+    except BadRequest:
         return False
 
 
@@ -99,40 +99,40 @@ class JoinParams(NamedTuple):
         """Validates a join request.
 
         Raises:
-            InvalidArgument: naming the first bad field and its value.
+            BadRequest: naming the first bad field and its value.
         """
         check_job_id(job_id)
         if not node_key:
-            raise InvalidArgument("node_key is empty")
+            raise BadRequest("node_key is empty")
         if len(node_key) > 253:
-            raise InvalidArgument(f"node_key {elide(node_key, 32)} is {len(node_key)} characters; at most 253 allowed")
+            raise BadRequest(f"node_key {elide(node_key, 32)} is {len(node_key)} characters; at most 253 allowed")
         check_name("node_key", node_key, NODE_KEY, "use letters, digits, '.', '_', ':' and '-', starting with a letter or digit")
         if role:
             check_role(role)
         try:
             address, loopback = canonical_ip(address)
         except ValueError as exc:
-            raise InvalidArgument(f"address {exc}; advertise an address peers can reach") from None
+            raise BadRequest(f"address {exc}; advertise an address peers can reach") from None
         if not 1 <= port <= 65535:
-            raise InvalidArgument(f"master_port {port} is out of range 1..65535")
+            raise BadRequest(f"master_port {port} is out of range 1..65535")
         if spec.nodes and local_rank is not None:
-            raise InvalidArgument(f"local_rank {local_rank} cannot be given in a job of nodes: each Join is a node, "
+            raise BadRequest(f"local_rank {local_rank} cannot be given in a job of nodes: each Join is a node, "
                                   f"holding local ranks 0..workers-1")
         if local_rank is not None and local_rank >= spec.world_size:
-            raise InvalidArgument(f"local_rank {local_rank} is not below world_size {spec.world_size}")
+            raise BadRequest(f"local_rank {local_rank} is not below world_size {spec.world_size}")
         if node_rank is not None and node_rank >= spec.world_size:
-            raise InvalidArgument(f"node_rank {node_rank} is not below {'nodes.max' if spec.nodes else 'world_size'} "
+            raise BadRequest(f"node_rank {node_rank} is not below {'nodes.max' if spec.nodes else 'world_size'} "
                                   f"{spec.world_size}")
         most = MAX_NODE_WORKERS if spec.nodes else min(spec.world_size, MAX_NODE_WORKERS)
         if not 1 <= workers <= most:
-            raise InvalidArgument(f"workers {workers} is out of range 1..{most} "
+            raise BadRequest(f"workers {workers} is out of range 1..{most} "
                                   f"({'a job of nodes' if spec.nodes else f'world_size {spec.world_size}'}; "
                                   f"a node membership holds at most {MAX_NODE_WORKERS})")
         if workers > 1 and local_rank is not None:
-            raise InvalidArgument(f"local_rank {local_rank} cannot be given with workers {workers}: "
+            raise BadRequest(f"local_rank {local_rank} cannot be given with workers {workers}: "
                                   f"a node membership holds local ranks 0..{workers - 1}")
         if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
-            raise InvalidArgument(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
+            raise BadRequest(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
         secret = secret_digest(member_secret) if member_secret else ""
         seal = job_secret_digest(job_secret) if job_secret else ""
         return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal, workers)

@@ -10,7 +10,7 @@ import ipaddress
 import logging
 from collections.abc import Iterable
 
-from ..planning import build_plan
+from commctx.common.planning import build_plan
 from .actions import Actions
 from .model import Job, JobState, Lease
 from .params import JoinParams

@@ -42,7 +42,7 @@ import sqlite3
 import threading
 from collections.abc import Sequence
 
-from ..planning import Candidate, PlanError, seat
+from commctx.common.planning import Candidate, PlanError, seat
 from .model import JobEvent
 from .store import (
     DeleteJob,

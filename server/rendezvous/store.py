@@ -27,7 +27,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..planning import JobSpec, SeatedNode, Seating
+from commctx.common.planning import JobSpec, SeatedNode, Seating
 from .model import JobEvent
 
 

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 
 from ..errors import (
     NotFound,
-    PermissionDenied,
+    Sealed,
 )
-from ..planning import WorldPlan, elide
+from commctx.common.planning import WorldPlan, elide
 from .model import Job, JobState, JobView, Lease, NewWorld, NodeView, Stats, WorkerView, worker_id
 from .params import job_secret_matches
 from .shares import SERVER, Caller
@@ -42,7 +42,7 @@ class Views:
 
         Raises:
             NotFound: an unknown job.
-            PermissionDenied: the job is sealed and `secret` does not open it.
+            Sealed: the job is sealed and `secret` does not open it.
         """
         job = self._jobs.get(job_id)
         if job is None and job_id in self._failed:
@@ -167,11 +167,11 @@ class Views:
 
         Raises:
             LimitExceeded: the caller gave too many wrong ones for this job lately.
-            PermissionDenied: the job is sealed and `secret` does not open it.
+            Sealed: the job is sealed and `secret` does not open it.
         """
         if secret is None:
             return
         self.guesses.check(caller, job_id)
         if not job_secret_matches(seal, secret):
             self.guesses.failed(caller, job_id)
-            raise PermissionDenied(f"job {job_id!r} is sealed: {what}")
+            raise Sealed(f"job {job_id!r} is sealed: {what}")

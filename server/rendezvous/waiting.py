@@ -62,10 +62,10 @@ class Joining:
                 answer, with who is missing, comes before it.
 
         Raises:
-            InvalidArgument: a malformed member secret.
+            BadRequest: a malformed member secret.
             LimitExceeded: the server or the caller's share is full.
             WaitTimeout: the world did not form in time; names who is missing.
-            Unauthenticated: the caller's token was revoked meanwhile.
+            UnknownToken: the caller's token was revoked meanwhile.
             Unavailable: the store cannot record the join or its end.
             and what Rendezvous.join raises, or the wait ends with (NotFound:
             the member left; Conflict: the job failed, or a later Join of the

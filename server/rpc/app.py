@@ -18,13 +18,13 @@ import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from commctx.addresses import host_port
+from commctx.common.addresses import host_port
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
-from ..errors import NotLeader, Unauthenticated
+from ..errors import NotLeader, UnknownToken
 from ..rendezvous.model import Limits, Stats
 from ..rendezvous.store import Fenced, NullStore, Store
 from ..gc_pacer import GcPacer
@@ -136,7 +136,7 @@ class RendezvousServer:
         withdrawn, as on a cancelled Join) and event watches. Returns how many."""
         if self._callers is None or self.term is None:
             return 0
-        return self.term.machine.shares.live.revoke(self._callers.knows, Unauthenticated(
+        return self.term.machine.shares.live.revoke(self._callers.knows, UnknownToken(
             "this call's token is no longer accepted: the server's --auth-tokens file no longer holds it"))
 
     def not_leader(self) -> NotLeader:

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from ..errors import Unauthenticated
+from ..errors import UnknownToken
 from ..rendezvous.shares import TOKEN, Caller
 from . import codec
 
@@ -124,7 +124,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(HEALTH_PREFIX) or self._callers.role(details.invocation_metadata):
             return handler
         method = details.method.rsplit("/", 1)[-1]
-        status = codec.error_status(Unauthenticated(
+        status = codec.error_status(UnknownToken(
             f"{details.method} needs an 'authorization: Bearer <token>' header with a token this server knows"))
 
         async def deny(request_or_iterator, context: grpc.aio.ServicerContext) -> None:

@@ -27,23 +27,23 @@ from ..errors import (
     AlreadyExists,
     Closed,
     Conflict,
-    InvalidArgument,
-    JobFull,
+    BadRequest,
+    Full,
     LimitExceeded,
     NotFound,
     NotLeader,
-    PermissionDenied,
-    RendezvousError,
+    Sealed,
+    Refusal,
     SessionReplaced,
-    StaleGeneration,
-    Unauthenticated,
+    Stale,
+    UnknownToken,
     Unavailable,
     WaitTimeout,
 )
-from ..planning import JobSpec, PlannedGroup, elide
+from commctx.common.planning import JobSpec, PlannedGroup, elide
 from ..rendezvous.waiting import Placed
 from ..rendezvous.model import (
-    Assignment,
+    Seat,
     Gone,
     JobEvent,
     JobState,
@@ -51,7 +51,7 @@ from ..rendezvous.model import (
     Limits,
     NewWorld,
     SessionEvent,
-    WorldChange,
+    Reforming,
     worker_id,
 )
 from ..rendezvous.params import JoinParams
@@ -62,19 +62,19 @@ DOMAIN = "commctx"
 MAX_DETAILS = 1024  # error texts stay far below gRPC's metadata limit
 
 # The one table from domain errors to status codes and ErrorInfo reasons.
-STATUS_OF: dict[type[RendezvousError], tuple[grpc.StatusCode, int]] = {
-    InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_REQUEST),
+STATUS_OF: dict[type[Refusal], tuple[grpc.StatusCode, int]] = {
+    BadRequest: (grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_REQUEST),
     Conflict: (grpc.StatusCode.FAILED_PRECONDITION, pb.JOB_CONFLICT),
-    StaleGeneration: (grpc.StatusCode.FAILED_PRECONDITION, pb.STALE_GENERATION),
+    Stale: (grpc.StatusCode.FAILED_PRECONDITION, pb.STALE_GENERATION),
     Closed: (grpc.StatusCode.FAILED_PRECONDITION, pb.JOB_CLOSED),
     AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, pb.RANK_TAKEN),
-    JobFull: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.JOB_FULL),
+    Full: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.JOB_FULL),
     NotFound: (grpc.StatusCode.NOT_FOUND, pb.MEMBER_NOT_FOUND),
     WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, pb.RENDEZVOUS_TIMEOUT),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, pb.SERVER_UNAVAILABLE),
     NotLeader: (grpc.StatusCode.UNAVAILABLE, pb.NOT_LEADER),
-    Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
-    PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, pb.JOB_SEALED),
+    UnknownToken: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
+    Sealed: (grpc.StatusCode.PERMISSION_DENIED, pb.JOB_SEALED),
     LimitExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.SERVER_FULL),
     SessionReplaced: (grpc.StatusCode.ABORTED, pb.SESSION_REPLACED),
 }
@@ -93,7 +93,7 @@ _STATE = {
 
 def error_status(exc: BaseException) -> grpc.Status:
     """The status a failed call answers with: code, bounded message, ErrorInfo details."""
-    if isinstance(exc, RendezvousError):
+    if isinstance(exc, Refusal):
         code, reason = STATUS_OF[type(exc)]
         message = str(exc)
     else:
@@ -128,7 +128,7 @@ def spec_from_message(m: pb.JobSpec) -> JobSpec:
     """Validates a wire JobSpec, through its JSON form (see JobSpec.build for what is checked).
 
     Raises:
-        InvalidArgument: a malformed field, named.
+        BadRequest: a malformed field, named.
         Conflict: sizes or counts no world of this size can satisfy.
     """
     return JobSpec.from_json(json_format.MessageToDict(m, preserving_proto_field_name=True))
@@ -155,15 +155,15 @@ class SpecCache:
         """The request's spec, within `limits` (checked before it is parsed).
 
         Raises:
-            InvalidArgument: over a limit, or malformed (naming the field).
+            BadRequest: over a limit, or malformed (naming the field).
             Conflict: a spec no world of its size can satisfy.
         """
         size = r.spec.ByteSize()
         if size > limits.max_spec_bytes:
-            raise InvalidArgument(f"spec is {size} bytes; at most {limits.max_spec_bytes} allowed (--max-spec-bytes)")
+            raise BadRequest(f"spec is {size} bytes; at most {limits.max_spec_bytes} allowed (--max-spec-bytes)")
         rules = len(r.spec.roles) + len(r.spec.groups) + len(r.spec.cpu_twins) + len(r.spec.expected_nodes)
         if rules > limits.max_spec_rules:
-            raise InvalidArgument(f"spec has {rules} roles, group rules, cpu twins and expected nodes; "
+            raise BadRequest(f"spec has {rules} roles, group rules, cpu twins and expected nodes; "
                                   f"at most {limits.max_spec_rules} allowed (--max-spec-rules)")
         wire = r.spec.SerializeToString(deterministic=True)
         spec = self._specs.get(wire)
@@ -203,7 +203,7 @@ def join_params(r: pb.JoinRequest, spec: JobSpec) -> JoinParams:
     member secret is the domain's to check and keep (waiting.Joining.join).
 
     Raises:
-        InvalidArgument: naming the first bad field and its value.
+        BadRequest: naming the first bad field and its value.
     """
     return JoinParams.build(
         job_id=r.job_id, spec=spec, node_key=r.node_key, address=r.address, port=r.master_port,
@@ -222,7 +222,7 @@ def _group_message(group: PlannedGroup) -> pb.Group:
     return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs), cpu_twin=group.cpu_twin, root=group.root)
 
 
-def fill_assignment(m: pb.Assignment, a: Assignment) -> None:
+def fill_assignment(m: pb.Assignment, a: Seat) -> None:
     """Writes `a` into `m` (in place: this runs once per worker of every world)."""
     plan, p = a.plan, a.placement
     m.job_id = a.job_id
@@ -269,7 +269,7 @@ def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | None
         out = pb.SessionEvent()
         fill_assignment(out.assignment, a)
         return out
-    if isinstance(event, WorldChange):
+    if isinstance(event, Reforming):
         return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason))
     if isinstance(event, Gone):
         return pb.SessionEvent(gone=event.reason, job_ended=event.ended, job_closed=event.closed)
@@ -326,8 +326,8 @@ class Undecodable:
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
 
-    def error(self) -> InvalidArgument:
-        return InvalidArgument(f"the request is not a valid {self.type_name} message")
+    def error(self) -> BadRequest:
+        return BadRequest(f"the request is not a valid {self.type_name} message")
 
 
 class LimitedLog:

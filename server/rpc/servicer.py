@@ -14,8 +14,8 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from ..errors import InvalidArgument, LimitExceeded, NotFound, SessionReplaced, Unavailable, WaitTimeout
-from ..planning import elide
+from ..errors import BadRequest, LimitExceeded, NotFound, SessionReplaced, Unavailable, WaitTimeout
+from commctx.common.planning import elide
 from ..rendezvous.executor import Executor
 from ..rendezvous.watching import JOB_GONE, TooSlow
 from ..rendezvous.machine import Rendezvous
@@ -156,7 +156,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._executor.submit(actions)
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
         self._sinks.add(sink)
-        self._machine.shares.live.add(caller, sink.put_nowait)  # a revoked token's session ends (Unauthenticated)
+        self._machine.shares.live.add(caller, sink.put_nowait)  # a revoked token's session ends (UnknownToken)
         # Whether the client ended the stream (it finished or cancelled it, or its
         # connection broke): then the member is a departure unless it comes back
         # within the reconnect grace. The server ending it (stopping, handing
@@ -212,7 +212,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             except NotFound as exc:
                 sink.put_nowait(Gone(str(exc)))
                 return
-            except InvalidArgument as exc:  # ends the stream, INVALID_ARGUMENT; the lease runs on
+            except BadRequest as exc:  # ends the stream, INVALID_ARGUMENT; the lease runs on
                 sink.put_nowait(exc)
                 return
 
@@ -241,10 +241,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         def describe() -> pb.JobDescription:
             size = request.node_page_size or NODE_PAGE_SIZE
             if size > MAX_NODE_PAGE_SIZE:
-                raise InvalidArgument(f"node_page_size {size} is above the most a reply holds, {MAX_NODE_PAGE_SIZE}")
+                raise BadRequest(f"node_page_size {size} is above the most a reply holds, {MAX_NODE_PAGE_SIZE}")
             token = request.node_page_token
             if token and not (token.isdigit() and token.isascii() and len(token) <= 9):
-                raise InvalidArgument(f"node_page_token {elide(token)} is not a token DescribeJob gave")
+                raise BadRequest(f"node_page_token {elide(token)} is not a token DescribeJob gave")
             first = int(token or 0)
             view = self._machine.describe(check_job_id(request.job_id), secret, first, size, caller)
             message = codec.description_message(view)
@@ -270,7 +270,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         def jobs() -> pb.ListJobsResponse:
             size = request.page_size or PAGE_SIZE
             if size > MAX_PAGE_SIZE:
-                raise InvalidArgument(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
+                raise BadRequest(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
             ids = self._machine.job_ids()
             start = bisect.bisect_right(ids, request.page_token) if request.page_token else 0
             page = ids[start:start + size]
@@ -287,10 +287,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         def page() -> pb.ListEventsResponse:
             size = request.page_size or PAGE_SIZE
             if size > MAX_PAGE_SIZE:
-                raise InvalidArgument(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
+                raise BadRequest(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
             token = request.page_token
             if token and not (token.isdigit() and token.isascii() and len(token) <= 19):
-                raise InvalidArgument(f"page_token {elide(token)} is not a token ListEvents gave")
+                raise BadRequest(f"page_token {elide(token)} is not a token ListEvents gave")
             events = self._machine.events(check_job_id(request.job_id), int(token or 0), size + 1, secret, caller)
             shown = events[:size]
             return pb.ListEventsResponse(events=[codec.event_message(e) for e in shown],
@@ -309,7 +309,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._fail(context, "WatchEvents", exc)
             return
         watch = watchers.open(job_id, snapshot)  # no await since the snapshot: nothing falls in between
-        self._machine.shares.live.add(caller, watch.end)  # a revoked token's watch ends (Unauthenticated)
+        self._machine.shares.live.add(caller, watch.end)  # a revoked token's watch ends (UnknownToken)
         sent = request.after_seq
         try:
             while True:

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import prometheus_client
 from aiohttp import web
 
-from ..errors import NotFound, PermissionDenied, RendezvousError
-from ..planning import expand
+from ..errors import NotFound, Sealed, Refusal
+from commctx.common.planning import expand
 from ..rendezvous.watching import JOB_GONE, TooSlow
 from ..rendezvous.model import JobEvent, JobView
 from ..rendezvous.params import check_job_id
@@ -204,9 +204,9 @@ class WebServer:
             view = machine.describe(job_id, None if admin else "", first, count)
         except NotFound:
             raise _error(web.HTTPNotFound, f"no job {job_id[:128]!r} on this server") from None
-        except PermissionDenied:
+        except Sealed:
             raise _error(web.HTTPForbidden, f"job {job_id!r} is sealed: only an admin token shows it") from None
-        except RendezvousError as exc:
+        except Refusal as exc:
             raise _error(web.HTTPBadRequest, str(exc)) from None
         return machine, view
 

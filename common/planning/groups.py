@@ -17,7 +17,7 @@ import math
 from array import array
 from collections.abc import Sequence
 
-from commctx.modes import LAYOUT_MODES
+from commctx.common.modes import LAYOUT_MODES
 
 from .ranks import RankRun, RankSet, compress
 from .spec import JobSpec, Layout, NamedGroups, RoleGroup

@@ -2,7 +2,7 @@
 
 Pure values, built only by validating constructors (`JobSpec.build`,
 `Layout.build`) whose cost is linear in the size of what they are given. A
-malformed spec raises InvalidArgument; a spec no world of its size can satisfy
+malformed spec raises BadRequest; a spec no world of its size can satisfy
 (sizes whose product is not the world size, role counts that do not add up)
 raises Conflict, with the numbers in the message.
 """
@@ -14,9 +14,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from commctx.modes import BUILTIN_MODES, LAYOUT_MODES
+from commctx.common.modes import BUILTIN_MODES, LAYOUT_MODES
 
-from ..errors import Conflict, InvalidArgument
+from ..errors import Conflict, BadRequest
 from .layout import DIMS, Layout
 from .names import NODE_KEY, check_mode, check_role, elide, whole_number
 
@@ -100,30 +100,30 @@ class JobSpec:
                 declared, and a layout is checked against the world that forms.
 
         Raises:
-            InvalidArgument: a malformed field, named.
+            BadRequest: a malformed field, named.
             Conflict: sizes or counts no world of this size can satisfy.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
-            raise InvalidArgument(f"spec.world_size {elide(world_size)} is out of range 1..{MAX_WORLD_SIZE}")
+            raise BadRequest(f"spec.world_size {elide(world_size)} is out of range 1..{MAX_WORLD_SIZE}")
         roles, rules = tuple(roles), tuple(rules)
         cpu_twins, expected_nodes = tuple(cpu_twins), tuple(expected_nodes)
         if layout is None and not (roles or rules or cpu_twins or expected_nodes) and min_size is None and not nodes:
             return cls(world_size)  # the common case, kept cheap
         if nodes and roles:
-            raise InvalidArgument("role counts need a world size in workers, and a job of nodes has none until it "
+            raise BadRequest("role counts need a world size in workers, and a job of nodes has none until it "
                                   "forms: give each node's role instead (torchrun: --rdzv-conf role=...)")
         if nodes and min_size == world_size:
             min_size = None  # a fixed number of nodes
         if min_size is not None:
             if not 1 <= min_size <= world_size:
-                raise InvalidArgument(f"elastic.min_size {min_size} is out of range 1..{world_size} (world_size is the maximum)")
+                raise BadRequest(f"elastic.min_size {min_size} is out of range 1..{world_size} (world_size is the maximum)")
             if roles:
-                raise InvalidArgument("role counts need a fixed world size: give either roles or elastic")
+                raise BadRequest("role counts need a fixed world size: give either roles or elastic")
             if last_call_s is not None and not 0 <= last_call_s <= 3600:
-                raise InvalidArgument(f"elastic.last_call_ms {last_call_s * 1000:g} is out of range 0..3600000")
+                raise BadRequest(f"elastic.last_call_ms {last_call_s * 1000:g} is out of range 0..3600000")
         for key in expected_nodes:
             if not isinstance(key, str) or not NODE_KEY.fullmatch(key):
-                raise InvalidArgument(f"expected_nodes entry {elide(key)} is not a valid node key")
+                raise BadRequest(f"expected_nodes entry {elide(key)} is not a valid node key")
         if layout is not None and nodes:  # its sizes are checked against the world that forms: dp is derived
             built_layout = Layout.build(MAX_WORLD_SIZE, layout, 1)
         else:
@@ -136,10 +136,10 @@ class JobSpec:
         counts = collections.Counter(modes)
         duplicated = next((m for m in modes if counts[m] > 1), None)
         if duplicated is not None:
-            raise InvalidArgument(f"group mode {elide(duplicated)} is defined twice (or is a built-in or layout mode)")
+            raise BadRequest(f"group mode {elide(duplicated)} is defined twice (or is a built-in or layout mode)")
         for m in cpu_twins:
             if m not in counts:
-                raise InvalidArgument(f"cpu_twins names mode {elide(m)}, which this spec does not define")
+                raise BadRequest(f"cpu_twins names mode {elide(m)}, which this spec does not define")
         return cls(
             world_size, built_layout, built_roles, built_rules, tuple(dict.fromkeys(cpu_twins)),
             tuple(dict.fromkeys(expected_nodes)), min_size,
@@ -153,7 +153,7 @@ class JobSpec:
         workers pass it to `CommContext.join(spec=...)`.
 
         Raises:
-            InvalidArgument: an unknown key or a malformed value, named.
+            BadRequest: an unknown key or a malformed value, named.
             Conflict: sizes or counts no world of this size can satisfy.
         """
         _keys("spec", form, _SPEC_KEYS)
@@ -168,11 +168,11 @@ class JobSpec:
         if nodes is not None:  # a job of nodes: its sizes are the nodes'
             _keys("nodes", nodes, ("min", "max", "last_call_ms"))
             if form.get("world_size") or elastic is not None:
-                raise InvalidArgument("a spec with nodes (a job of launcher nodes) gives neither world_size nor elastic: "
+                raise BadRequest("a spec with nodes (a job of launcher nodes) gives neither world_size nor elastic: "
                                       "its sizes are nodes.min and nodes.max")
             top = whole_number("nodes.max", nodes.get("max", 0))
             if not 1 <= top <= MAX_WORLD_SIZE:
-                raise InvalidArgument(f"nodes.max {top} is out of range 1..{MAX_WORLD_SIZE}")
+                raise BadRequest(f"nodes.max {top} is out of range 1..{MAX_WORLD_SIZE}")
             elastic = {"min_size": whole_number("nodes.min", nodes.get("min", 0)) or top}
             last_call_ms = nodes.get("last_call_ms")
             form = {**form, "world_size": top}
@@ -279,9 +279,9 @@ def _roles(world_size: int, counts: Sequence[tuple[str, int]]) -> tuple[tuple[st
     for role, count in counts:
         check_role(role)
         if count < 1:
-            raise InvalidArgument(f"role {elide(role)} has count {count}; give 1 or more")
+            raise BadRequest(f"role {elide(role)} has count {count}; give 1 or more")
         if role in seen:
-            raise InvalidArgument(f"roles name role {elide(role)} twice")
+            raise BadRequest(f"roles name role {elide(role)} twice")
         seen.add(role)
         roles.append((role, count))
     total = sum(c for _, c in roles)
@@ -298,38 +298,38 @@ def _rule(world_size: int, rule: Rule, declared: set[str]) -> Rule:
     def known(role: str) -> str:
         check_role(role)
         if declared and role not in declared:
-            raise InvalidArgument(f"group {mode!r} names role {elide(role)}, which spec.roles does not declare")
+            raise BadRequest(f"group {mode!r} names role {elide(role)}, which spec.roles does not declare")
         return role
 
     if isinstance(rule, RoleGroup):
         if not rule.roles:
-            raise InvalidArgument(f"group {mode!r} lists no roles")
+            raise BadRequest(f"group {mode!r} lists no roles")
         return RoleGroup(mode, tuple(known(r) for r in rule.roles), rule.per_node)
     if isinstance(rule, WeightTransfer):
         if not rule.receivers:
-            raise InvalidArgument(f"group {mode!r} lists no receiver roles")
+            raise BadRequest(f"group {mode!r} lists no receiver roles")
         if rule.sender in rule.receivers:
-            raise InvalidArgument(f"group {mode!r} lists its sender role {elide(rule.sender)} among its receiver roles")
+            raise BadRequest(f"group {mode!r} lists its sender role {elide(rule.sender)} among its receiver roles")
         return WeightTransfer(mode, known(rule.sender), tuple(known(r) for r in rule.receivers), rule.per_node)
     groups, seen = [], set()
     for given in rule.groups:
         if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in given):
-            raise InvalidArgument(f"group {mode!r} lists {elide(list(given))}; ranks are whole numbers from 0")
+            raise BadRequest(f"group {mode!r} lists {elide(list(given))}; ranks are whole numbers from 0")
         ranks = tuple(sorted(given))
         if not ranks:
-            raise InvalidArgument(f"group {mode!r} has an empty rank list")
+            raise BadRequest(f"group {mode!r} has an empty rank list")
         if ranks[-1] >= world_size:
-            raise InvalidArgument(f"group {mode!r} names rank {ranks[-1]}, not below world_size {world_size}")
+            raise BadRequest(f"group {mode!r} names rank {ranks[-1]}, not below world_size {world_size}")
         before = len(seen)
         seen.update(ranks)
         if len(seen) - before != len(ranks):
             if len(set(ranks)) != len(ranks):
-                raise InvalidArgument(f"group {mode!r} lists a rank twice in {elide(list(ranks))}")
+                raise BadRequest(f"group {mode!r} lists a rank twice in {elide(list(ranks))}")
             twice = next(r for r in ranks if r in _ranks_before(groups))
-            raise InvalidArgument(f"group {mode!r} puts rank {twice} in two groups; a worker is in one group per mode")
+            raise BadRequest(f"group {mode!r} puts rank {twice} in two groups; a worker is in one group per mode")
         groups.append(ranks)
     if not groups:
-        raise InvalidArgument(f"group {mode!r} has no rank lists")
+        raise BadRequest(f"group {mode!r} has no rank lists")
     return NamedGroups(mode, tuple(groups))
 
 
@@ -344,24 +344,24 @@ _SCOPES = {"SCOPE_JOB": False, "SCOPE_NODE": True}
 
 
 def _keys(where: str, form: object, known: Sequence[str]) -> Mapping[str, Any]:
-    """Returns `form` if it is a mapping with only `known` keys; else InvalidArgument naming the first other."""
+    """Returns `form` if it is a mapping with only `known` keys; else BadRequest naming the first other."""
     if not isinstance(form, Mapping):
-        raise InvalidArgument(f"{where} must be an object, not {elide(form)}")
+        raise BadRequest(f"{where} must be an object, not {elide(form)}")
     for key in form:
         if key not in known:
-            raise InvalidArgument(f"{where} has no field {elide(key)}; known: {', '.join(known)}")
+            raise BadRequest(f"{where} has no field {elide(key)}; known: {', '.join(known)}")
     return form
 
 
 def _list(what: str, value: object) -> Sequence[Any]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-        raise InvalidArgument(f"{what} must be a list, not {elide(value)}")
+        raise BadRequest(f"{what} must be a list, not {elide(value)}")
     return value
 
 
 def _scope(where: str, value: str) -> bool:
     if value not in _SCOPES:
-        raise InvalidArgument(f"{where}.scope {elide(value)} is not one of {', '.join(_SCOPES)}")
+        raise BadRequest(f"{where}.scope {elide(value)} is not one of {', '.join(_SCOPES)}")
     return _SCOPES[value]
 
 
@@ -379,7 +379,7 @@ def _rule_of_json(form: Mapping[str, Any]) -> Rule:
         g = _keys("named", form["named"], ("groups",))
         return NamedGroups(mode, tuple(tuple(_keys("named.groups entry", r, ("ranks",)).get("ranks", ())) for r in g.get("groups", ())))
     check_mode(mode)
-    raise InvalidArgument(f"group {mode!r} has no kind: give role_group, weight_transfer or named")
+    raise BadRequest(f"group {mode!r} has no kind: give role_group, weight_transfer or named")
 
 
 def _rule_json(rule: Rule) -> dict[str, Any]:

@@ -8,9 +8,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from commctx.modes import LAYOUT_MODES
+from commctx.common.modes import LAYOUT_MODES
 
-from ..errors import Conflict, InvalidArgument
+from ..errors import Conflict, BadRequest
 from .names import elide, whole_number
 
 DIMS = tuple(LAYOUT_MODES)  # tp, cp, ep, dp, pp
@@ -37,28 +37,28 @@ class Layout:
                 for the largest multiple of the other sizes that fits.
 
         Raises:
-            InvalidArgument: a malformed order or dimension name, or dp given for an elastic job.
+            BadRequest: a malformed order or dimension name, or dp given for an elastic job.
             Conflict: the sizes do not multiply to a world size in range.
         """
         order = layout.get("order") or ""
         if not isinstance(order, str):
-            raise InvalidArgument(f"layout.order {elide(order)} is not text")
+            raise BadRequest(f"layout.order {elide(order)} is not text")
         tokens = (order or DEFAULT_ORDER).split("-")
         for t in tokens:
             if t not in DIMS:
-                raise InvalidArgument(f"layout.order {elide(order)}: {elide(t)} is not one of {', '.join(DIMS)}")
+                raise BadRequest(f"layout.order {elide(order)}: {elide(t)} is not one of {', '.join(DIMS)}")
         if len(set(tokens)) != len(tokens):
-            raise InvalidArgument(f"layout.order {elide(order)} names a dimension twice")
+            raise BadRequest(f"layout.order {elide(order)} names a dimension twice")
         given = {d: whole_number(f"layout.{d}", layout.get(d) or 0) for d in DIMS}
         for d, v in given.items():
             if v < 0:
-                raise InvalidArgument(f"layout.{d} {v} is negative")
+                raise BadRequest(f"layout.{d} {v} is negative")
         sizes = {d: given[d] or 1 for d in DIMS}
         others = math.prod(sizes[d] for d in DIMS if d != "dp")
         product_text = f"{sizes['tp']}×{sizes['cp']}×{sizes['ep']}×{sizes['pp']} = {others}"
         if elastic_min is not None:
             if given["dp"]:
-                raise InvalidArgument(f"layout.dp {given['dp']}: an elastic job derives dp from the world size; leave dp out")
+                raise BadRequest(f"layout.dp {given['dp']}: an elastic job derives dp from the world size; leave dp out")
             largest = world_size - world_size % others
             if largest < max(elastic_min, 1):
                 raise Conflict(f"no world size from {elastic_min} to {world_size} is a multiple of tp×cp×ep×pp = {product_text}")
@@ -75,12 +75,12 @@ class Layout:
         for d in DIMS:
             if d not in tokens:
                 if sizes[d] != 1:
-                    raise InvalidArgument(f"layout.order {elide(order)} leaves out {d}, whose size is {sizes[d]}")
+                    raise BadRequest(f"layout.order {elide(order)} leaves out {d}, whose size is {sizes[d]}")
                 tokens.append(d)
         within = tuple(sorted(set(layout.get("within_node") or ())))
         for d in within:
             if d not in DIMS:
-                raise InvalidArgument(f"layout.within_node {elide(d)} is not one of {', '.join(DIMS)}")
+                raise BadRequest(f"layout.within_node {elide(d)} is not one of {', '.join(DIMS)}")
         return cls(tuple((d, sizes[d]) for d in tokens), within, bool(given["dp"]))
 
     @property

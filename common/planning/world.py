@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
-from commctx.addresses import host_port
-from commctx.modes import GLOBAL, INTER_NODE, INTRA_NODE
+from commctx.common.addresses import host_port
+from commctx.common.modes import GLOBAL, INTER_NODE, INTRA_NODE
 
 from .groups import Family, PlanError, PlannedGroup, check_within_node, layout_families, rule_families
 from .ranks import RankRun, compress
