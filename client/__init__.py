@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from commctx.common.modes import CommMode, ParallelMode
+
 from .errors import (
     CommContextError,
     CommCtxError,
@@ -22,17 +24,16 @@ from .errors import (
     JobConflict,
     JobFull,
     MemberNotFound,
+    PermissionDenied,
     RankTaken,
     RendezvousError,
     RendezvousTimeout,
-    ServerUnavailable,
-    PermissionDenied,
     ServerFull,
+    ServerUnavailable,
     StaleGeneration,
     Unauthenticated,
     UsageError,
 )
-from commctx.common.modes import CommMode, ParallelMode
 
 _LAZY = {"CommContext": "commctx.context", "LauncherEnv": "commctx.context", "Assignment": "commctx.assignment"}
 

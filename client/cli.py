@@ -32,9 +32,6 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from commctx.v1 import rendezvous_pb2 as pb
-from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
-
 from commctx.common.errors import Refusal
 from commctx.common.planning import (
     Candidate,
@@ -47,9 +44,11 @@ from commctx.common.planning import (
     expand,
     plan_world,
 )
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .addresses import DEFAULT_PORT, host_port
-from .errors import UsageError, InvalidArgument
+from .errors import InvalidArgument, UsageError
 from .transport import Endpoints, LeaderStub, Tls, channel_to, check_token, server_addresses, tls_of
 
 

@@ -18,10 +18,11 @@ from typing import Any, ClassVar
 
 import torch.distributed as dist
 
+from commctx.common.modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
-from .errors import UsageError, GroupNotFound, InvalidArgument, MemberNotFound
+from .errors import GroupNotFound, InvalidArgument, MemberNotFound, UsageError
 from .launched import LaunchedWorker
 from .lifecycle import (
     DESTROY_TIMEOUT_S,
@@ -35,7 +36,6 @@ from .lifecycle import (
     progress_seconds,
     resolve_backend,
 )
-from commctx.common.modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange

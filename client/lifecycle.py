@@ -29,11 +29,11 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch
 from .assignment import Assignment
-from .errors import UsageError, InvalidArgument, InvalidRequest, ServerUnavailable
+from .errors import InvalidArgument, InvalidRequest, ServerUnavailable, UsageError
 from .netif import interface_of, listen_socket, route_source_address
 from .process_groups import build_groups, destroy_all, init_world
-from .registry import GroupRegistry
 from .progress import DEFAULT_EVERY_S
+from .registry import GroupRegistry
 from .session import Session
 from .transport import Tls, server_addresses
 

@@ -33,10 +33,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from commctx.common.modes import GLOBAL, cpu_twin
+
 from . import _torch
 from .assignment import GroupInfo
 from .errors import UsageError
-from commctx.common.modes import GLOBAL, cpu_twin
 from .registry import GroupRecord
 
 

@@ -103,19 +103,11 @@ from torch.distributed.elastic.rendezvous.api import (
 from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch, errors
-from .errors import (
-    UsageError,
-    InvalidArgument,
-    InvalidRequest,
-    JobClosed,
-    MemberNotFound,
-    RendezvousTimeout,
-    ServerUnavailable,
-)
+from .errors import InvalidArgument, InvalidRequest, JobClosed, MemberNotFound, RendezvousTimeout, ServerUnavailable, UsageError
 from .launched import WORLD_ENV
 from .lifecycle import LauncherEnv, advertised_address, job_spec_of, listen_on, progress_seconds
-from .progress import describe_wait, say
 from .netif import interface_of
+from .progress import describe_wait, say
 from .session import Session
 from .transport import tls_of
 

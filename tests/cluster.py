@@ -4,6 +4,7 @@ namespaces standing in for hosts. Everything started here is stopped here."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pathlib
@@ -151,6 +152,13 @@ class Hosts:
     """
 
     def __init__(self, count: int) -> None:
+        # One maker at a time on this machine: tests run in parallel (pytest -n) would
+        # otherwise pick the same free subnet between reading the routes and using it.
+        with open(os.path.join(tempfile.gettempdir(), "commctx-hosts.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._make(count)
+
+    def _make(self, count: int) -> None:
         tag = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
         self.bridge = f"ccbr{tag}"
         self.names = [f"cc{tag}h{k}" for k in range(count)]

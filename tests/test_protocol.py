@@ -308,7 +308,7 @@ async def test_a_weight_transfer_sending_to_its_own_role_is_refused_and_leaves_n
 
 
 async def test_draining_server_refuses_joins(stub, server):
-    server.servicer.draining = True
+    server.machine.draining = True
     await expect_error(stub.Join(join_request("late", 1)), Code.UNAVAILABLE, "shutting down")
 
 
@@ -591,7 +591,7 @@ async def test_limits_name_themselves():
             await expect_error(stub.Session().read(), Code.RESOURCE_EXHAUSTED,
                                "maximum of 1 session streams (--max-streams); retry later")
             first.cancel()
-            await eventually(lambda: s.servicer._streams == 0, what="the stream is closed")  # noqa: SLF001
+            await eventually(lambda: s.servicer.open_sessions == 0, what="the stream is closed")
             again = stub.Session()
             await again.write(pb.SessionRequest(job_id="held", member_id=held.member_id, member_secret=held.member_secret))
             assert (await again.read()).lease_ttl_ms > 0
@@ -661,6 +661,11 @@ async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the
     assert len(cache._specs) == codec.SpecCache.SIZE
     threads.clear()
     big.spec.world_size = 2048  # a new big spec, sent by a burst of workers at once: parsed once
-    specs = await asyncio.gather(*(codec.SpecCache().spec_of(big, limits) for _ in range(1)),
-                                 *(cache.spec_of(big, limits) for _ in range(20)))
+    fresh = codec.SpecCache()
+    specs = await asyncio.gather(fresh.spec_of(big, limits), *(cache.spec_of(big, limits) for _ in range(20)))
     assert len(threads) == 2 and all(s == specs[0] for s in specs) and specs[1] is specs[-1]
+    parsers = set(threads)
+    cache.close(), fresh.close()  # as a server's stop does: its parsing thread ends
+    for thread in parsers:
+        thread.join(timeout=10)
+        assert not thread.is_alive()

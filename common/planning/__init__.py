@@ -3,11 +3,22 @@ protobuf, no grpc, no asyncio, no clock. The server's state machine, the wire
 codec and `commctx plan` all plan through this package."""
 
 from .groups import Family, PlanError, PlannedGroup, layout_groups
-from .ranks import RankRun, RankSet, compress, expand
 from .layout import DIMS, Layout
 from .names import NODE_KEY, check_mode, check_name, check_role, elide
+from .ranks import RankRun, RankSet, compress, expand
 from .spec import JobSpec, NamedGroups, RoleGroup, Rule, WeightTransfer
-from .world import Candidate, NodePlacement, Placement, SeatedNode, Seating, WorldPlan, build_plan, node_sort_key, plan_world, seat
+from .world import (
+    Candidate,
+    NodePlacement,
+    Placement,
+    SeatedNode,
+    Seating,
+    WorldPlan,
+    build_plan,
+    node_sort_key,
+    plan_world,
+    seat,
+)
 
 __all__ = [
     "DIMS",

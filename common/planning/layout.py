@@ -10,7 +10,7 @@ from typing import Any
 
 from commctx.common.modes import LAYOUT_MODES
 
-from ..errors import Conflict, BadRequest
+from ..errors import BadRequest, Conflict
 from .names import elide, whole_number
 
 DIMS = tuple(LAYOUT_MODES)  # tp, cp, ep, dp, pp

@@ -16,7 +16,7 @@ from typing import Any
 
 from commctx.common.modes import BUILTIN_MODES, LAYOUT_MODES
 
-from ..errors import Conflict, BadRequest
+from ..errors import BadRequest, Conflict
 from .layout import DIMS, Layout
 from .names import NODE_KEY, check_mode, check_role, elide, whole_number
 

@@ -10,15 +10,7 @@ import hmac
 import logging
 import math
 
-from ..errors import (
-    AlreadyExists,
-    Closed,
-    Conflict,
-    Full,
-    LimitExceeded,
-    Sealed,
-    Refusal,
-)
+from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refusal, Sealed
 from .actions import Actions
 from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note
 from .params import JoinParams

@@ -36,6 +36,7 @@ import grpc
 from aetcd import rpc
 
 from commctx.common.planning import JobSpec
+
 from .model import JobEvent
 from .store import (
     DeleteJob,
@@ -46,9 +47,9 @@ from .store import (
     PutEvent,
     PutJob,
     PutMember,
-    TrimEvents,
     Store,
     StoreError,
+    TrimEvents,
     Write,
     seating_from_record,
     seating_record,

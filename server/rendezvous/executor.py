@@ -25,11 +25,11 @@ import math
 from collections.abc import Callable
 
 from ..errors import Unavailable
-from .watching import Watchers
 from .machine import Actions, Rendezvous, plan_or_error
 from .model import Note, PlanRequest
 from .store import Fenced, Store, StoreError
 from .waiting import SLICE, Waiters
+from .watching import Watchers
 
 log = logging.getLogger("commctx.server")
 

@@ -9,19 +9,9 @@ from __future__ import annotations
 import logging
 
 from commctx.common.planning import JobSpec, PlanError, WorldPlan, elide, plan_world
+
 from .actions import Actions
-from .model import (
-    EventKind,
-    Gone,
-    Job,
-    JobState,
-    JobStopped,
-    Lease,
-    NewWorld,
-    Note,
-    PlanRequest,
-    Reforming,
-)
+from .model import EventKind, Gone, Job, JobState, JobStopped, Lease, NewWorld, Note, PlanRequest, Reforming
 from .store import PutJob, PutMember, member_record
 
 log = logging.getLogger("commctx.server")

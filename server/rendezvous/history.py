@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import collections
 
-from ..errors import NotFound
 from commctx.common.planning import elide
+
+from ..errors import NotFound
 from .actions import Actions
 from .model import EventKind, Job, JobEvent
 from .shares import SERVER, Caller

@@ -12,10 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
-from ..errors import (
-    BadRequest,
-    Stale,
-)
+from ..errors import BadRequest, Stale
 from .actions import Actions
 from .model import (
     DISCONNECTED,
@@ -28,9 +25,9 @@ from .model import (
     MemberGone,
     NewWorld,
     Note,
+    Reforming,
     Replaced,
     SessionEvent,
-    Reforming,
 )
 from .shares import JOBS, SERVER, Caller
 from .store import DeleteJob, DeleteMember, PutJob, PutMember, member_record
@@ -89,6 +86,14 @@ class Leases:
         if older is not None and older is not sink:
             actions.pushes.append((older, Replaced(f"member {member_id} of job {job_id!r} opened a newer session")))
         return self.lease_ttl_s, missed, actions
+
+    def end_session(self, job_id: str, member_id: str, sink: object, how: str) -> tuple[str, Actions]:
+        """The session of `sink` ended `how`: "finished" or "cancelled" by its
+        client (a departure, as close_session says), "replaced" by a newer one, or
+        "server" (this server ended it). While the server drains, every end is the
+        server's. Returns how it counts, and close_session's actions."""
+        how = "server" if self.draining else how
+        return how, self.close_session(job_id, member_id, sink, how in ("finished", "cancelled"))
 
     def close_session(self, job_id: str, member_id: str, sink: object, departed: bool = False) -> Actions:
         """The session of `sink` ended. `departed`: the client ended it (it

@@ -45,8 +45,9 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-from ..errors import NotFound
 from commctx.common.planning import elide
+
+from ..errors import NotFound
 from .actions import Actions
 from .admission import Admission
 from .deadlines import Deadlines
@@ -69,12 +70,6 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
     """Every job the server holds, and the rules for joining and leaving them:
     one object, its concerns one per module (admission.py, forming.py,
     leases.py, restore.py, views.py, history.py).
-
-    Every method runs to completion synchronously; those that change state
-    return `Actions`. The clock is injected.
-    """
-
-    """Every job the server holds, and the rules for joining and leaving them.
 
     Every method runs to completion synchronously; those that change state
     return `Actions`. The clock is injected.
@@ -107,6 +102,8 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
         self.shares = Shares(limits)  # what each caller holds (jobs here; Joins waiting and streams at the RPC edge)
         self.guesses = Guesses(clock)  # wrong job secrets, by caller and job
         self._members = 0  # across all jobs
+        # The server is stopping: Joins are refused, and sessions that end are not departures.
+        self.draining = False
         self.plan_inline_max = plan_inline_max
         self._clock = clock
         self._wall = wall  # persisted times (AGE, how long a failed job is kept) survive a restart on it

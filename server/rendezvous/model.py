@@ -12,9 +12,10 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-
 from commctx.common.planning import Candidate, JobSpec, Placement, WorldPlan
+
 from .params import JoinParams
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:

@@ -10,9 +10,9 @@ import re
 from typing import NamedTuple
 
 from commctx.common.addresses import canonical_ip
+from commctx.common.planning import NODE_KEY, JobSpec, check_name, check_role, elide
 
 from ..errors import BadRequest
-from commctx.common.planning import NODE_KEY, JobSpec, check_name, check_role, elide
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")

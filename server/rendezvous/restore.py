@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterable
 
 from commctx.common.planning import build_plan
+
 from .actions import Actions
 from .model import Job, JobState, Lease
 from .params import JoinParams

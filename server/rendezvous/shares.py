@@ -79,7 +79,25 @@ class Shares:
     def __init__(self, limits: Limits) -> None:
         self.caps = {kind: max(1, math.floor(getattr(limits, name) * limits.caller_share)) for kind, (name, _) in _LIMIT.items()}
         self._held: dict[str, Counter[str]] = {kind: Counter() for kind in _LIMIT}
+        self._max_streams = limits.max_streams
+        self.streams = 0  # open now (Session and WatchEvents), all callers
         self.live = LiveCalls()
+
+    def open_stream(self, caller: Caller, what: str) -> None:
+        """Counts one more open stream (`what`: "session streams", "open streams"),
+        within --max-streams and the caller's share.
+
+        Raises:
+            LimitExceeded: naming the limit, or the caller's share and its use.
+        """
+        if self.streams >= self._max_streams:
+            raise LimitExceeded(f"this server holds its maximum of {self._max_streams} {what} (--max-streams); retry later")
+        self.take(STREAMS, caller)
+        self.streams += 1
+
+    def close_stream(self, caller: Caller) -> None:
+        self.streams -= 1
+        self.give(STREAMS, caller)
 
     def take(self, kind: str, caller: Caller) -> None:
         """Counts one more `kind` for `caller`.

@@ -43,6 +43,7 @@ import threading
 from collections.abc import Sequence
 
 from commctx.common.planning import Candidate, PlanError, seat
+
 from .model import JobEvent
 from .store import (
     DeleteJob,
@@ -53,9 +54,9 @@ from .store import (
     PutEvent,
     PutJob,
     PutMember,
-    TrimEvents,
     Store,
     StoreError,
+    TrimEvents,
     Write,
     event_fields_json,
     event_of,

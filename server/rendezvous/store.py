@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from commctx.common.planning import JobSpec, SeatedNode, Seating
+
 from .model import JobEvent
 
 

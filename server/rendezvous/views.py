@@ -6,22 +6,25 @@ file; the state is the machine's."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
 import math
 from collections.abc import Iterable
 
-from ..errors import (
-    NotFound,
-    Sealed,
-)
 from commctx.common.planning import WorldPlan, elide
+
+from ..errors import NotFound, Sealed
 from .model import Job, JobState, JobView, Lease, NewWorld, NodeView, Stats, WorkerView, worker_id
 from .params import job_secret_matches
 from .shares import SERVER, Caller
 
 log = logging.getLogger("commctx.server")
+
+# Pages, as gRPC and HTTP serve them: jobs and events per page; nodes per description.
+PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
+NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000
 
 
 class Views:
@@ -150,6 +153,13 @@ class Views:
     def job_ids(self) -> list[str]:
         """Jobs held, and failed jobs still described, sorted."""
         return sorted({*self._jobs, *self._failed})
+
+    def job_page(self, after: str, size: int) -> tuple[list[JobView], bool]:
+        """Up to `size` jobs (their views without nodes) after the id `after`
+        ("": from the first), and whether more follow."""
+        ids = self.job_ids()
+        start = bisect.bisect_right(ids, after) if after else 0
+        return [self.describe(j, max_nodes=0) for j in ids[start:start + size]], start + size < len(ids)
 
     def stats(self) -> Stats:
         """Counts for metrics (linear in the number of jobs, not members)."""

@@ -20,8 +20,8 @@ import os
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import Closed, Conflict, NotFound, Unavailable, WaitTimeout
-from .deadlines import Deadlines
 from .actions import Actions
+from .deadlines import Deadlines
 from .model import JobStopped, Joined, MemberGone, NewWorld, WaitOutcome
 from .params import JoinParams, secret_digest
 from .shares import WAITING, Caller
@@ -66,11 +66,14 @@ class Joining:
             LimitExceeded: the server or the caller's share is full.
             WaitTimeout: the world did not form in time; names who is missing.
             UnknownToken: the caller's token was revoked meanwhile.
-            Unavailable: the store cannot record the join or its end.
+            Unavailable: the server is stopping, or the store cannot record
+                the join or its end.
             and what Rendezvous.join raises, or the wait ends with (NotFound:
             the member left; Conflict: the job failed, or a later Join of the
             member took over).
         """
+        if self._machine.draining:
+            raise Unavailable("the server is shutting down; join another rendezvous server or retry")
         secret = member_secret or os.urandom(16).hex()
         params = params._replace(secret=secret_digest(secret))
         shares = self._machine.shares

@@ -22,12 +22,12 @@ from commctx.common.addresses import host_port
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from ..errors import NotLeader, Unavailable, UnknownToken
+from ..gc_pacer import GcPacer
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
-from ..errors import NotLeader, UnknownToken
 from ..rendezvous.model import Limits, Stats
 from ..rendezvous.store import Fenced, NullStore, Store
-from ..gc_pacer import GcPacer
 from ..telemetry import Telemetry, event
 from . import codec
 from .auth import Callers, TokenInterceptor
@@ -153,10 +153,11 @@ class RendezvousServer:
             return
         self._stopped = True
         if self.term is not None:
-            self.term.servicer.draining = True
+            self.term.machine.draining = True
         await self._health.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
         if self.term is not None:
+            self.term.servicer.close(Unavailable("the server stopped"))
             await self.term.executor.stop()
         for task in self._tasks:
             task.cancel()
@@ -183,7 +184,7 @@ class RendezvousServer:
             self.deposed.set()
             return
         if self.term is not None:
-            self.term.servicer.draining = True
+            self.term.machine.draining = True
         self._tasks.append(asyncio.ensure_future(self._set_health(NOT_SERVING)))
         self.deposed.set()
 

@@ -112,6 +112,16 @@ def caller_of(context: grpc.aio.ServicerContext, callers: Callers | None) -> Cal
     return Caller("peer:" + ip, f"peer {ip[:64]}")
 
 
+def is_admin(context: grpc.aio.ServicerContext, callers: Callers | None) -> bool:
+    """Whether the call carries an admin token."""
+    return callers is not None and callers.role(context.invocation_metadata()) == ADMIN
+
+
+def secret_of(context: grpc.aio.ServicerContext, callers: Callers | None, job_secret: str) -> str | None:
+    """The job secret a call opens sealed jobs with; None (not checked) for an admin token."""
+    return None if is_admin(context, callers) else job_secret
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Answers UNAUTHENTICATED to calls without a known token (health excepted)."""
 

@@ -21,40 +21,30 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from commctx.common.planning import JobSpec, PlannedGroup, elide
 from commctx.v1 import rendezvous_pb2 as pb
 
 from ..errors import (
     AlreadyExists,
+    BadRequest,
     Closed,
     Conflict,
-    BadRequest,
     Full,
     LimitExceeded,
     NotFound,
     NotLeader,
-    Sealed,
     Refusal,
+    Sealed,
     SessionReplaced,
     Stale,
-    UnknownToken,
     Unavailable,
+    UnknownToken,
     WaitTimeout,
 )
-from commctx.common.planning import JobSpec, PlannedGroup, elide
-from ..rendezvous.waiting import Placed
-from ..rendezvous.model import (
-    Seat,
-    Gone,
-    JobEvent,
-    JobState,
-    JobView,
-    Limits,
-    NewWorld,
-    SessionEvent,
-    Reforming,
-    worker_id,
-)
+from ..rendezvous.model import Gone, JobEvent, JobState, JobView, Limits, NewWorld, Reforming, Seat, SessionEvent, worker_id
 from ..rendezvous.params import JoinParams
+from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE
+from ..rendezvous.waiting import Placed
 
 log = logging.getLogger("commctx.server")
 
@@ -142,12 +132,11 @@ class SpecCache:
     SIZE = 256
     INLINE_BYTES = 4096  # larger: parsed in a worker thread (1,024 rules are 10-15 ms of Python)
 
-    # One thread for the process (every term's cache): several would each take the GIL
-    # from the event loop in turn (20 big specs at once: 65 ms of loop lag with the
-    # default pool, 16 ms inline).
-    _parser: concurrent.futures.ThreadPoolExecutor | None = None
-
     def __init__(self) -> None:
+        # One parsing thread, made at the first big spec and shut down by close():
+        # several would each take the GIL from the event loop in turn (20 big specs
+        # at once: 65 ms of loop lag with the default pool, 16 ms inline).
+        self._parser: concurrent.futures.ThreadPoolExecutor | None = None
         self._specs: collections.OrderedDict[bytes, JobSpec] = collections.OrderedDict()
         self._parsing: dict[bytes, asyncio.Future[JobSpec]] = {}  # big specs being parsed: one parse for a burst
 
@@ -173,9 +162,9 @@ class SpecCache:
         if size > self.INLINE_BYTES:
             parsing = self._parsing.get(wire)
             if parsing is None:
-                if SpecCache._parser is None:
-                    SpecCache._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="commctx-spec")
-                parsing = self._parsing[wire] = asyncio.get_running_loop().run_in_executor(SpecCache._parser, _parse_spec, wire)
+                if self._parser is None:
+                    self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="commctx-spec")
+                parsing = self._parsing[wire] = asyncio.get_running_loop().run_in_executor(self._parser, _parse_spec, wire)
                 parsing.add_done_callback(lambda _: self._parsing.pop(wire, None))
             spec = await asyncio.shield(parsing)  # a Join that goes away does not cancel the others' parse
         else:
@@ -184,6 +173,13 @@ class SpecCache:
         if len(self._specs) > self.SIZE:
             self._specs.popitem(last=False)
         return spec
+
+
+    def close(self) -> None:
+        """Shuts the parsing thread down (parses under way finish; none start)."""
+        if self._parser is not None:
+            self._parser.shutdown(wait=False, cancel_futures=True)
+            self._parser = None
 
 
 def _parse_spec(wire: bytes) -> JobSpec:
@@ -312,6 +308,67 @@ def description_message(v: JobView) -> pb.JobDescription:
         refused=v.refused,
         last_refused=v.last_refused,
     )
+
+
+# -- pages ------------------------------------------------------------------------------
+
+MAX_REPLY_BYTES = 1 << 20  # DescribeJob's reply: fewer nodes than asked if theirs are long (keys, many roles)
+
+
+def page_size(size: int, field: str = "page_size", default: int = PAGE_SIZE, most: int = MAX_PAGE_SIZE) -> int:
+    """A request's page size (0: the default).
+
+    Raises:
+        BadRequest: above `most`, naming `field`.
+    """
+    size = size or default
+    if size > most:
+        raise BadRequest(f"{field} {size} is above the most a {'reply' if field.startswith('node') else 'page'} holds, {most}")
+    return size
+
+
+def position(token: str, field: str, method: str, digits: int) -> int:
+    """Where a numeric page token (as DescribeJob and ListEvents give them) starts; "" is 0.
+
+    Raises:
+        BadRequest: not such a token, naming `field` and `method`.
+    """
+    if token and not (token.isdigit() and token.isascii() and len(token) <= digits):
+        raise BadRequest(f"{field} {elide(token)} is not a token {method} gave")
+    return int(token or 0)
+
+
+def description_page(v: JobView, first: int, max_bytes: int = MAX_REPLY_BYTES) -> pb.JobDescription:
+    """A job's description holding its nodes from `first` on, as many as fit
+    in `max_bytes` (at least one), with the token of the next page."""
+    message = description_message(v)
+    if message.ByteSize() > max_bytes:
+        nodes = list(message.nodes)
+        del message.nodes[:]
+        budget, keep = max_bytes - message.ByteSize(), 0
+        for node in nodes:
+            budget -= node.ByteSize() + 5  # + its tag and length, at most
+            if budget < 0:
+                break
+            keep += 1
+        message.nodes.extend(nodes[:max(keep, 1)])
+    shown = first + len(message.nodes)
+    message.next_node_page_token = str(shown) if shown < v.num_nodes else ""
+    return message
+
+
+def jobs_page(views: list[JobView], more: bool, admin: bool) -> pb.ListJobsResponse:
+    """A page of ListJobs: sealed jobs as summaries unless an admin asks."""
+    return pb.ListJobsResponse(
+        jobs=[summary_message(v) if v.seal and not admin else description_message(v) for v in views],
+        next_page_token=views[-1].job_id if more else "")
+
+
+def events_page(events: list[JobEvent], size: int) -> pb.ListEventsResponse:
+    """A page of ListEvents from up to `size` + 1 events (one more: there is a next page)."""
+    shown = events[:size]
+    return pb.ListEventsResponse(events=[event_message(e) for e in shown],
+                                 next_page_token=str(shown[-1].seq) if len(events) > size else "")
 
 
 # -- undecodable requests -----------------------------------------------------------------

@@ -1,11 +1,10 @@
-"""The gRPC adapter: decode, call the state machine, hand its actions to the
-executor, encode. No business logic lives here; every error leaves through
-`codec.error_status` (never UNKNOWN)."""
+"""The gRPC adapter: decode (codec), await the domain (the state machine, its
+executor, `Joining`), encode (codec). Limits, paging and waiting are the
+domain's; every error leaves through `codec.error_status` (never UNKNOWN)."""
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -14,22 +13,19 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from ..errors import BadRequest, LimitExceeded, NotFound, SessionReplaced, Unavailable, WaitTimeout
-from commctx.common.planning import elide
+from ..errors import BadRequest, LimitExceeded, NotFound, SessionReplaced, WaitTimeout
 from ..rendezvous.executor import Executor
-from ..rendezvous.watching import JOB_GONE, TooSlow
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Gone, Replaced
 from ..rendezvous.params import check_job_id, check_member_id
-from ..rendezvous.shares import STREAMS, Caller
+from ..rendezvous.shares import Caller
+from ..rendezvous.views import MAX_NODE_PAGE_SIZE, NODE_PAGE_SIZE
 from ..rendezvous.waiting import Joining, Waiters
+from ..rendezvous.watching import JOB_GONE, TooSlow
 from . import codec
-from .auth import ADMIN, Callers, caller_of
+from .auth import Callers, caller_of, is_admin, secret_of
 
 T = TypeVar("T")
-PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # ListJobs, ListEvents
-NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000  # DescribeJob: nodes per reply
-MAX_REPLY_BYTES = 1 << 20  # ... and a reply's size: fewer nodes if theirs are long (keys, many roles)
 
 
 class RendezvousServicer(pb_grpc.RendezvousServicer):
@@ -41,13 +37,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._machine = machine
         self._session_ended = session_ended
         self._callers = callers
-        self._streams = 0  # open Session calls
         self._sinks: set[asyncio.Queue] = set()  # of the open sessions
         self._executor = executor
         self._joining = Joining(machine, executor, waiters)
         self._rpc_error = rpc_error
         self._specs = codec.SpecCache()
-        self.draining = False
 
     def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
         """Answers the call with `exc`'s status; the handler then returns None
@@ -66,8 +60,6 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse | None:
         try:
-            if self.draining:
-                raise Unavailable("the server is shutting down; join another rendezvous server or retry")
             params = codec.join_params(request, await self._specs.spec_of(request, self._machine.limits))
             placed = await self._joining.join(params, request.member_secret, caller_of(context, self._callers),
                                               request.wait_timeout_ms / 1000, context.time_remaining())
@@ -79,55 +71,35 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @property
     def open_sessions(self) -> int:
-        """Session streams open now."""
-        return self._streams
+        """Session and WatchEvents streams open now."""
+        return self._machine.shares.streams
 
     def close(self, error: Exception) -> None:
         """Ends every open Session with `error` (the server stops serving; the
-        clients reconnect elsewhere). The members and their leases stay as they are."""
+        clients reconnect elsewhere), and shuts the spec parser down. The members
+        and their leases stay as they are."""
+        self._specs.close()
         for sink in self._sinks:
             sink.put_nowait(error)
         self._executor.watchers.end_all(error)
 
-    def _secret(self, context: grpc.aio.ServicerContext, job_secret: str) -> str | None:
-        """The job secret a call opens sealed jobs with; None (not checked) for an admin token."""
-        if self._callers is not None and self._callers.role(context.invocation_metadata()) == ADMIN:
-            return None
-        return job_secret
-
     async def Session(self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext) -> None:
         caller = caller_of(context, self._callers)
         try:
-            self._take_stream(caller, "session streams")
+            self._machine.shares.open_stream(caller, "session streams")
         except LimitExceeded as exc:
             self._fail(context, "Session", exc)
             return
         try:
             await self._session(context, caller)
         finally:
-            self._give_stream(caller)
-
-    def _take_stream(self, caller: Caller, what: str) -> None:
-        """Counts one more open stream (Session or WatchEvents), within --max-streams and the caller's share.
-
-        Raises:
-            LimitExceeded: naming the limit, or the caller's share and its use.
-        """
-        limit = self._machine.limits.max_streams
-        if self._streams >= limit:
-            raise LimitExceeded(f"this server holds its maximum of {limit} {what} (--max-streams); retry later")
-        self._machine.shares.take(STREAMS, caller)
-        self._streams += 1
-
-    def _give_stream(self, caller: Caller) -> None:
-        self._streams -= 1
-        self._machine.shares.give(STREAMS, caller)
+            self._machine.shares.close_stream(caller)
 
     async def _session(self, context: grpc.aio.ServicerContext, caller: Caller) -> None:
         # The first message names the member; every message renews its lease.
         # Events the executor puts in the member's sink are written as they
         # come (through context.read/write, so `requests` is not iterated).
-        wait = self._machine.naming_wait_s(self._streams)
+        wait = self._machine.naming_wait_s(self._machine.shares.streams)
         try:  # a stream that never names its member would be held forever
             first = await asyncio.wait_for(context.read(), wait)
         except asyncio.TimeoutError:
@@ -157,11 +129,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
         self._sinks.add(sink)
         self._machine.shares.live.add(caller, sink.put_nowait)  # a revoked token's session ends (UnknownToken)
-        # Whether the client ended the stream (it finished or cancelled it, or its
-        # connection broke): then the member is a departure unless it comes back
-        # within the reconnect grace. The server ending it (stopping, handing
-        # over, a newer session, the member gone) is none.
-        departed, how = True, "cancelled"
+        # How the stream ended: by its client ("finished", or "cancelled": it
+        # cancelled it, or its connection broke), by a newer session ("replaced"),
+        # or by this server ("server": stopping, handing over, the member gone).
+        how = "cancelled"
         try:
             await context.write(pb.SessionEvent(lease_ttl_ms=round(ttl * 1000)))
             while True:
@@ -170,27 +141,26 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                     how = "finished"
                     return
                 if isinstance(event, Exception):  # close() (this server stopped serving), or a message that does not parse
-                    departed, how = False, "server"
+                    how = "server"
                     self._fail(context, "Session", event)
                     return
                 if isinstance(event, Replaced):
-                    departed, how = False, "replaced"
+                    how = "replaced"
                     self._fail(context, "Session", SessionReplaced(event.reason))
                     return
                 message = codec.session_event(event, member_id)
                 if message is not None:
                     await context.write(message)
                 if isinstance(event, Gone):
-                    departed, how = False, "server"
+                    how = "server"
                     return
         finally:
             self._sinks.discard(sink)
             self._machine.shares.live.discard(caller, sink.put_nowait)
             reader.cancel()
-            if self.draining:
-                departed, how = False, "server"
+            how, actions = self._machine.end_session(job_id, member_id, sink, how)
             self._session_ended(how)
-            self._executor.submit(self._machine.close_session(job_id, member_id, sink, departed))
+            self._executor.submit(actions)
 
     async def _renewals(self, context: grpc.aio.ServicerContext, job_id: str, member_id: str, sink: asyncio.Queue) -> None:
         while True:
@@ -236,65 +206,32 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         return pb.LeaveResponse()
 
     async def DescribeJob(self, request: pb.DescribeJobRequest, context: grpc.aio.ServicerContext) -> pb.JobDescription | None:
-        secret, caller = self._secret(context, request.job_secret), caller_of(context, self._callers)
+        secret, caller = secret_of(context, self._callers, request.job_secret), caller_of(context, self._callers)
 
         def describe() -> pb.JobDescription:
-            size = request.node_page_size or NODE_PAGE_SIZE
-            if size > MAX_NODE_PAGE_SIZE:
-                raise BadRequest(f"node_page_size {size} is above the most a reply holds, {MAX_NODE_PAGE_SIZE}")
-            token = request.node_page_token
-            if token and not (token.isdigit() and token.isascii() and len(token) <= 9):
-                raise BadRequest(f"node_page_token {elide(token)} is not a token DescribeJob gave")
-            first = int(token or 0)
+            size = codec.page_size(request.node_page_size, "node_page_size", NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE)
+            first = codec.position(request.node_page_token, "node_page_token", "DescribeJob", 9)
             view = self._machine.describe(check_job_id(request.job_id), secret, first, size, caller)
-            message = codec.description_message(view)
-            if message.ByteSize() > MAX_REPLY_BYTES:
-                nodes = list(message.nodes)
-                del message.nodes[:]
-                budget, keep = MAX_REPLY_BYTES - message.ByteSize(), 0
-                for node in nodes:
-                    budget -= node.ByteSize() + 5  # + its tag and length, at most
-                    if budget < 0:
-                        break
-                    keep += 1
-                message.nodes.extend(nodes[:max(keep, 1)])
-            shown = first + len(message.nodes)
-            message.next_node_page_token = str(shown) if shown < view.num_nodes else ""
-            return message
+            return codec.description_page(view, first)
 
         return await self._call(context, "DescribeJob", describe)
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse | None:
-        admin = self._callers is not None and self._callers.role(context.invocation_metadata()) == ADMIN
+        admin = is_admin(context, self._callers)
 
         def jobs() -> pb.ListJobsResponse:
-            size = request.page_size or PAGE_SIZE
-            if size > MAX_PAGE_SIZE:
-                raise BadRequest(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
-            ids = self._machine.job_ids()
-            start = bisect.bisect_right(ids, request.page_token) if request.page_token else 0
-            page = ids[start:start + size]
-            views = (self._machine.describe(j, max_nodes=0) for j in page)
-            return pb.ListJobsResponse(
-                jobs=[codec.summary_message(v) if v.seal and not admin else codec.description_message(v) for v in views],
-                next_page_token=page[-1] if start + size < len(ids) else "")
+            views, more = self._machine.job_page(request.page_token, codec.page_size(request.page_size))
+            return codec.jobs_page(views, more, admin)
 
         return await self._call(context, "ListJobs", jobs)
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: grpc.aio.ServicerContext) -> pb.ListEventsResponse | None:
-        secret, caller = self._secret(context, request.job_secret), caller_of(context, self._callers)
+        secret, caller = secret_of(context, self._callers, request.job_secret), caller_of(context, self._callers)
 
         def page() -> pb.ListEventsResponse:
-            size = request.page_size or PAGE_SIZE
-            if size > MAX_PAGE_SIZE:
-                raise BadRequest(f"page_size {size} is above the most a page holds, {MAX_PAGE_SIZE}")
-            token = request.page_token
-            if token and not (token.isdigit() and token.isascii() and len(token) <= 19):
-                raise BadRequest(f"page_token {elide(token)} is not a token ListEvents gave")
-            events = self._machine.events(check_job_id(request.job_id), int(token or 0), size + 1, secret, caller)
-            shown = events[:size]
-            return pb.ListEventsResponse(events=[codec.event_message(e) for e in shown],
-                                         next_page_token=str(shown[-1].seq) if len(events) > size else "")
+            size = codec.page_size(request.page_size)
+            after = codec.position(request.page_token, "page_token", "ListEvents", 19)
+            return codec.events_page(self._machine.events(check_job_id(request.job_id), after, size + 1, secret, caller), size)
 
         return await self._call(context, "ListEvents", page)
 
@@ -303,8 +240,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         caller = caller_of(context, self._callers)
         try:
             job_id = check_job_id(request.job_id)
-            snapshot = self._machine.events(job_id, request.after_seq, None, self._secret(context, request.job_secret), caller)
-            self._take_stream(caller, "open streams")
+            snapshot = self._machine.events(job_id, request.after_seq, None, secret_of(context, self._callers, request.job_secret),
+                                            caller)
+            self._machine.shares.open_stream(caller, "open streams")
         except Exception as exc:
             self._fail(context, "WatchEvents", exc)
             return
@@ -329,4 +267,4 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         finally:
             watchers.close(watch)
             self._machine.shares.live.discard(caller, watch.end)
-            self._give_stream(caller)
+            self._machine.shares.close_stream(caller)

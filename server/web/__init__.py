@@ -28,7 +28,6 @@ Watchers.QUEUE events behind its reader is ended.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import importlib.resources
 import json
 import math
@@ -37,20 +36,20 @@ from typing import TYPE_CHECKING, Any
 import prometheus_client
 from aiohttp import web
 
-from ..errors import NotFound, Sealed, Refusal
 from commctx.common.planning import expand
-from ..rendezvous.watching import JOB_GONE, TooSlow
+
+from ..errors import NotFound, Refusal, Sealed
 from ..rendezvous.model import JobEvent, JobView
 from ..rendezvous.params import check_job_id
 from ..rendezvous.shares import SERVER, TOKEN, Caller
+from ..rendezvous.views import MAX_NODE_PAGE_SIZE, MAX_PAGE_SIZE, NODE_PAGE_SIZE, PAGE_SIZE
+from ..rendezvous.watching import JOB_GONE, TooSlow
 from ..rpc.auth import ADMIN, Callers
 
 if TYPE_CHECKING:
     from ..rendezvous.machine import Rendezvous
     from ..rpc.app import RendezvousServer
 
-PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000  # jobs, events
-NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000
 GROUP_EXAMPLES = 8  # groups listed per mode (the rest counted)
 ASSETS = {"app.js": "application/javascript", "style.css": "text/css"}
 
@@ -181,19 +180,15 @@ class WebServer:
         admin = self._admin(request)
         machine = self._machine()
         size = min(_number(request, "page_size", PAGE_SIZE, 1), MAX_PAGE_SIZE)  # a huge page is capped
-        token = request.query.get("page_token", "")
-        ids = machine.job_ids()
-        start = bisect.bisect_right(ids, token) if token else 0
-        page = ids[start:start + size]
+        views, more = machine.job_page(request.query.get("page_token", ""), size)
         jobs = []
-        for job_id in page:
-            view = machine.describe(job_id, max_nodes=0)
+        for view in views:
             if view.seal and not admin:
-                jobs.append({"job_id": job_id, "state": view.state.value, "sealed": True})
+                jobs.append({"job_id": view.job_id, "state": view.state.value, "sealed": True})
                 continue
-            last = machine.last_event(job_id)
+            last = machine.last_event(view.job_id)
             jobs.append({**_summary(view), "last_event": _event(last) if last is not None else None})
-        return _json({"jobs": jobs, "next_page_token": page[-1] if start + size < len(ids) else ""})
+        return _json({"jobs": jobs, "next_page_token": views[-1].job_id if more else ""})
 
     def _view(self, request: web.Request, first: int = 0, count: int | None = 0) -> tuple[Rendezvous, JobView]:
         admin = self._admin(request)
