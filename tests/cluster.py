@@ -3,6 +3,7 @@ namespaces standing in for hosts. Everything started here is stopped here."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -12,6 +13,7 @@ import queue
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,16 +31,85 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+class Forked:
+    """A worker the zygote (tests/zygote.py) forked, behind the part of
+    subprocess.Popen's interface that Proc and the tests use."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], stderr: int, netns: str | None, hostname: str | None) -> None:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(_zygote())
+        request = {"argv": list(argv), "env": env, "cwd": os.getcwd(), "netns": netns, "hostname": hostname}
+        socket.send_fds(self._conn, [json.dumps(request).encode()], [stdin_r, stdout_w, stderr])
+        os.close(stdin_r)
+        os.close(stdout_w)
+        self.stdin = open(stdin_w, "w")  # noqa: SIM115  (closed by Proc.stop)
+        self.stdout = open(stdout_r)  # noqa: SIM115
+        self._replies = self._conn.makefile("r")
+        self.pid: int = json.loads(self._replies.readline())["pid"]
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+        threading.Thread(target=self._await_exit, daemon=True).start()
+
+    def _await_exit(self) -> None:
+        line = self._replies.readline()
+        self.returncode = json.loads(line)["exit"] if line else -signal.SIGKILL  # no line: the zygote itself is gone
+        self._conn.close()
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_ZYGOTE: tuple[subprocess.Popen, str] | None = None
+
+
+def _zygote() -> str:
+    """The socket of this test process's zygote, started at the first call."""
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE[0].poll() is not None:
+        where = tempfile.mkdtemp(prefix="commctx-zygote-")
+        atexit.register(shutil.rmtree, where, True)
+        path = os.path.join(where, "sock")
+        popen = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("zygote.py")), path],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env())
+        if popen.stdout.readline().strip() != "ready":
+            raise AssertionError(f"the worker zygote did not start ({popen.wait()})")
+        _ZYGOTE = (popen, path)  # it ends with this process: its stdin closes
+    return _ZYGOTE[1]
+
+
 class Proc:
     """A child process whose stdout lines are read by a thread into a queue."""
 
-    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None, *,
+                 fork: dict | None = None) -> None:
+        """`fork`: {"netns", "hostname"}: forked by the zygote (argv is a tests/worker.py command line)."""
         self.name = name
         self.stderr = tempfile.NamedTemporaryFile(prefix=f"commctx-{name}-", suffix=".log", delete=False)
-        self.popen = subprocess.Popen(
-            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-            text=True, env={**clean_env(), **(env or {})}, start_new_session=True,
-        )
+        if fork is not None:
+            self.popen = Forked(argv, {**clean_env(), **(env or {})}, self.stderr.fileno(), **fork)
+        else:
+            self.popen = subprocess.Popen(
+                list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                text=True, env={**clean_env(), **(env or {})}, start_new_session=True,
+            )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -115,11 +186,9 @@ def worker(server: str, job: str, world_size: int, *, node_key: str | None = Non
         argv += ["--role", role]
     if spec:
         argv += ["--spec", json.dumps(spec)]
-    if hostname:  # a host of its own: private UTS namespace with its own hostname
-        argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
-    if netns:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    return Proc(argv, name)
+    # Forked by the zygote, torch imported: as `ip netns exec NETNS unshare --uts` (a host
+    # of its own, with its own hostname) would start it, without importing torch again.
+    return Proc(argv[1:], name, fork={"netns": netns, "hostname": hostname})
 
 
 @contextlib.contextmanager

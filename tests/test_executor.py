@@ -32,11 +32,16 @@ class GatedStore(MemoryStore):
         self.gate.set()
         self.failures = 0  # how many commits to refuse with StoreError
         self.commits = 0
+        self.refused = 0
+        self.at_gate = 0  # commits that reached a closed gate
 
     def commit(self, writes, epoch):
+        if not self.gate.is_set():
+            self.at_gate += 1
         assert self.gate.wait(10)
         if self.failures:
             self.failures -= 1
+            self.refused += 1
             raise StoreError("disk full (simulated)")
         super().commit(writes, epoch)
         self.commits += 1
@@ -78,7 +83,7 @@ async def test_a_formed_world_is_durable_before_anyone_hears_of_it(rig):
     await rig.executor.settled()
     rig.store.gate.clear()  # the disk is slow
     b, wb = rig.join("j", 2)
-    await asyncio.sleep(0.1)
+    await eventually(lambda: rig.store.at_gate, what="the world's commit waits at the gate")
     assert not wa.done() and not wb.done()  # formed in memory, not yet durable: nobody told
     assert [j.state for j in rig.store.load()] == ["forming"]
     rig.store.gate.set()
@@ -105,9 +110,10 @@ async def test_a_failing_store_refuses_waits_at_once_and_forms_no_world_until_it
         await asyncio.wait_for(wa, 5)  # at once, not at the 30 s timeout
     assert [type(e) for e in rig.store_errors] == [StoreError]
 
+    refused = rig.store.refused
     k1, wk1 = rig.join("k", 2, "n1")
     k2, wk2 = rig.join("k", 2, "n2")  # complete, but no world forms while nothing can be written
-    await asyncio.sleep(0.1)
+    await eventually(lambda: rig.store.refused >= refused + 2, what="k's joins refused by the store, twice")
     view = rig.machine.describe("k")
     assert view.state is JobState.FORMING and view.generation == 0 and not wk1.done() and not wk2.done()
     assert view.reason.startswith("held: the server cannot write its state (disk full (simulated))")

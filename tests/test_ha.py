@@ -62,18 +62,16 @@ def test_followers_point_at_the_leader_and_a_killed_leader_is_replaced_keeping_e
         formed = [f.result() for f in [join(stub, "formed", 2, "a", 9001), join(stub, "formed", 2, "b", 9002)]]
         forming = join(stub, "forming", 2, "a", 9003, member_id="ab" * 16, member_secret="cd" * 16)
         deadline = time.monotonic() + 10
-        while stub.DescribeJob(pb.DescribeJobRequest(job_id="forming"), timeout=5).joined < 1:
+        while joined(stub, "forming") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         history = list(stub.ListEvents(pb.ListEventsRequest(job_id="formed"), timeout=5).events)
         assert [e.kind for e in history] == ["joined", "formed"]
-    killed_at = time.monotonic()
     cluster.procs[leader].kill()
     cluster.procs[leader] = None
     with pytest.raises(grpc.RpcError):
         forming.result()  # its connection died with the leader: the client re-attaches elsewhere
-    new = cluster.leader(ELECTION_TTL + 5)
-    assert time.monotonic() - killed_at <= ELECTION_TTL + 1 + 0.5  # + the probe's own polling
+    new = cluster.leader(ELECTION_TTL + 5)  # how soon: benchmarks/ha_failover.py
 
     ch, stub = cluster.stub(new)
     with ch:
@@ -107,6 +105,23 @@ def _refusal(cluster: Replicas, i: int) -> grpc.RpcError:
             time.sleep(0.05)
 
 
+def joined(stub: pb_grpc.RendezvousStub, job_id: str) -> int:
+    """Workers joined to the job (0 before its first Join arrives)."""
+    try:
+        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id), timeout=5).joined
+    except grpc.RpcError as err:
+        if err.code() is grpc.StatusCode.NOT_FOUND:
+            return 0
+        raise
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes received, not yet read, on the server side of connections to `port` (ss's Recv-Q)."""
+    rows = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True,
+                          check=True).stdout.split("\n")
+    return sum(int(row.split()[0]) for row in rows if row.strip())
+
+
 def test_a_deposed_leader_writes_nothing(cluster):
     """The leader is frozen (SIGSTOP) past its election lease; another wins.
     Thawed, the old leader finds a Join waiting: whether its write is fenced
@@ -118,7 +133,11 @@ def test_a_deposed_leader_writes_nothing(cluster):
         new = cluster.leader(ELECTION_TTL + 5, but=old)
         ch = grpc.insecure_channel(cluster.address(old))
         late = join(pb_grpc.RendezvousStub(ch), "late", 1, "n", 9100)
-        time.sleep(0.2)  # the request waits in the frozen process's socket
+        # The call's bytes wait, unread, in the frozen process's socket.
+        deadline = time.monotonic() + 10
+        while not unread_bytes(cluster.ports[old]):
+            assert time.monotonic() < deadline, "the call never reached the frozen leader's socket"
+            time.sleep(0.01)
     finally:
         os.kill(cluster.procs[old].popen.pid, signal.SIGCONT)
     with pytest.raises(grpc.RpcError) as refused:

@@ -36,7 +36,6 @@ import asyncio
 import logging
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -141,17 +140,13 @@ async def test_a_huge_spec_is_refused_unread_while_health_answers():
             huge.spec.groups.extend(pb.GroupRule(mode=f"G{i}", named=pb.NamedGroups(groups=[pb.RankList(ranks=[0, 1])]))
                                     for i in range(70_000))
             assert huge.ByteSize() > 1_000_000
-            worst = 0.0
             joins = [asyncio.ensure_future(stub.Join(huge)) for _ in range(20)]
-            while not all(j.done() for j in joins):
-                started = time.monotonic()
+            while not all(j.done() for j in joins):  # the first release kept probes waiting 57 s (spec_lag.py measures it)
                 assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == health_pb2.HealthCheckResponse.SERVING
-                worst = max(worst, time.monotonic() - started)
                 await asyncio.sleep(0.005)
             for j in joins:
                 err = j.exception()
                 assert err.code() is Code.INVALID_ARGUMENT and "(--max-spec-bytes)" in err.details()
-            assert worst < 2.0  # the first release: 57 s; the usual figure here is milliseconds
             assert (await stub.Join(join_request("after", 1))).assignment.world_size == 1
     finally:
         await s.stop(0)

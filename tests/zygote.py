@@ -1,0 +1,142 @@
+"""A fork server for tests/worker.py: imports torch once, then forks a worker
+for each request, as torch's DataLoader forks its workers after importing it.
+
+`import torch` is about 1.9 s of CPU; the end-to-end tests start dozens of
+workers, on two cores. The child of a fork is what `ip netns exec NS unshare
+--uts sh -c 'hostname H; exec python worker.py ...'` would have made: its own
+session, the network namespace NS, a UTS namespace named H, the environment,
+the arguments and the stdin/stdout/stderr the request brings.
+
+Protocol, on the Unix socket given as argv[1]: a client sends one JSON line
+{"argv", "env", "cwd", "netns", "hostname"} with three file descriptors (stdin,
+stdout, stderr), and reads {"pid": N} then, when the worker ends,
+{"exit": Popen-style returncode}. The server ends, killing its workers, when
+its stdin closes (the test process that started it is gone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+import torch  # noqa: F401  (the point: imported once, before any fork)
+import torch.distributed  # noqa: F401
+
+import commctx  # noqa: F401
+import commctx.context  # noqa: F401
+
+CLONE_NEWNET, CLONE_NEWUTS = 0x40000000, 0x04000000
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("commctx_test_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _child(request: dict, fds: list[int], worker) -> None:
+    """Becomes the worker the request asks for; never returns."""
+    code = 1
+    try:
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        os.setsid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if request.get("netns"):
+            ns = os.open(f"/run/netns/{request['netns']}", os.O_RDONLY)
+            if libc.setns(ns, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns {request['netns']}")
+            os.close(ns)
+        if request.get("hostname"):
+            if libc.unshare(CLONE_NEWUTS) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+            socket.sethostname(request["hostname"])
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(3, 65536)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = list(request["argv"])
+        worker.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001  (a closed pipe: nothing more to say)
+                pass
+        os._exit(code)
+
+
+def main() -> None:
+    worker = _load_worker()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sys.argv[1])
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "child")
+    selector.register(sys.stdin, selectors.EVENT_READ, "parent")
+    print("ready", flush=True)
+    children: dict[int, socket.socket] = {}
+    while True:
+        for key, _ in selector.select():
+            if key.data == "parent":  # our test process is gone: so are its workers
+                for pid in children:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                return
+            if key.data == "child":
+                os.read(wake_r, 4096)
+                while children:
+                    try:
+                        pid, status = os.waitpid(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        break
+                    if pid == 0:
+                        break
+                    conn = children.pop(pid, None)
+                    if conn is not None:
+                        try:
+                            conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                        except OSError:
+                            pass
+                        conn.close()
+                continue
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            request = json.loads(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(request, fds, worker)
+            for fd in fds:
+                os.close(fd)
+            children[pid] = conn
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+
+if __name__ == "__main__":
+    main()
