@@ -207,37 +207,18 @@ class Router(pb_grpc.RendezvousServicer):
             return None
         return term.servicer
 
-    async def Join(self, request, context):
-        servicer = self._servicer(context, "Join")
-        return None if servicer is None else await servicer.Join(request, context)
 
-    async def Session(self, requests, context):
-        servicer = self._servicer(context, "Session")
-        return None if servicer is None else await servicer.Session(requests, context)
+def _routed(method: str) -> Callable:
+    async def route(self: Router, request, context: grpc.aio.ServicerContext):
+        servicer = self._servicer(context, method)
+        return None if servicer is None else await getattr(servicer, method)(request, context)
 
-    async def KeepAlive(self, request, context):
-        servicer = self._servicer(context, "KeepAlive")
-        return None if servicer is None else await servicer.KeepAlive(request, context)
+    route.__name__ = route.__qualname__ = method
+    return route
 
-    async def Leave(self, request, context):
-        servicer = self._servicer(context, "Leave")
-        return None if servicer is None else await servicer.Leave(request, context)
 
-    async def DescribeJob(self, request, context):
-        servicer = self._servicer(context, "DescribeJob")
-        return None if servicer is None else await servicer.DescribeJob(request, context)
-
-    async def ListJobs(self, request, context):
-        servicer = self._servicer(context, "ListJobs")
-        return None if servicer is None else await servicer.ListJobs(request, context)
-
-    async def ListEvents(self, request, context):
-        servicer = self._servicer(context, "ListEvents")
-        return None if servicer is None else await servicer.ListEvents(request, context)
-
-    async def WatchEvents(self, request, context):
-        servicer = self._servicer(context, "WatchEvents")
-        return None if servicer is None else await servicer.WatchEvents(request, context)
+for _method in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name:  # every RPC, the same way
+    setattr(Router, _method, _routed(_method))
 
 
 class DecodeGuard(grpc.aio.ServerInterceptor):
