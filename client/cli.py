@@ -24,7 +24,9 @@ import argparse
 import importlib.metadata
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -435,15 +437,20 @@ def list_jobs(stub: pb_grpc.RendezvousStub | LeaderStub) -> list[pb.JobDescripti
 
 
 def run_status(args: argparse.Namespace) -> int:
+    if not args.watch:
+        return _status(args, None)
+    # Ctrl-C (or SIGTERM) ends --watch after the call in flight, which a KeyboardInterrupt raised
+    # inside grpc's blocking call can fail to do.
+    stop = threading.Event()
+    handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _status(args)
-    except KeyboardInterrupt:  # Ctrl-C ends --watch, whatever it was doing
-        if args.watch:
-            return 0
-        raise
+        return _status(args, stop)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
-def _status(args: argparse.Namespace) -> int:
+def _status(args: argparse.Namespace, stop: threading.Event | None) -> int:
     _, endpoints = connect(args)
     try:
         stub = LeaderStub(endpoints)  # each call goes to the leader, following a replica's hint
@@ -458,18 +465,21 @@ def _status(args: argparse.Namespace) -> int:
                     text = json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2) if args.json else job_table(jobs)
             except grpc.RpcError as exc:
                 print(f"{endpoints.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                if not args.watch:
+                if stop is None:
                     return 1
                 text = None
+            if stop is not None and stop.is_set():
+                return 0
             if text is not None:
-                if args.watch and sys.stdout.isatty():
+                if stop is not None and sys.stdout.isatty():
                     print("\x1b[H\x1b[2J", end="")
-                if args.watch:
+                if stop is not None:
                     print(time.strftime("%H:%M:%S"), endpoints.address)
                 print(text, flush=True)
-            if not args.watch:
+            if stop is None:
                 return 0
-            time.sleep(args.interval)  # a display refresh, not a wait for a condition
+            if stop.wait(args.interval):  # a display refresh, not a wait for a condition
+                return 0
     finally:
         endpoints.close()
 
