@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from commctx.server.errors import AlreadyExists, Closed, Conflict, BadRequest, Full, NotFound, Stale
 from commctx.common.planning import JobSpec, PlanError, plan_world
+from commctx.server.errors import AlreadyExists, BadRequest, Closed, Conflict, Full, NotFound, Stale
 from commctx.server.rendezvous.machine import Actions, Rendezvous
-from commctx.server.rendezvous.model import Limits, Gone, JobState, JobStopped, MemberGone, NewWorld, Replaced, Reforming
+from commctx.server.rendezvous.model import Gone, JobState, JobStopped, Limits, MemberGone, NewWorld, Reforming, Replaced
 from commctx.server.rendezvous.params import JoinParams
 from commctx.server.rendezvous.store import DeleteJob, DeleteMember, MemoryStore, PutEvent, PutJob, PutMember
 
@@ -73,7 +73,7 @@ def pushed(actions: Actions, sink: Sink) -> list:
 
 
 def ranks(rdzv: Rendezvous, job: str = "job") -> dict[str, int]:
-    return dict(rdzv._jobs[job].plan.ranks)  # noqa: SLF001 - reading the plan is the point
+    return dict(rdzv._jobs[job].plan.ranks)
 
 
 def sessions(rdzv: Rendezvous, members, generation: int = 1, job: str = "job") -> dict[str, Sink]:
@@ -233,7 +233,7 @@ def test_a_plan_for_a_job_that_changed_meanwhile_is_dropped(clock):
 
 
 def test_a_planner_bug_fails_the_one_job_it_meets_and_leaves_nobody_half_joined(rdzv, monkeypatch, caplog):
-    import commctx.server.rendezvous.forming as forming
+    from commctx.server.rendezvous import forming
 
     def broken(candidates, spec):
         raise ValueError("slice step cannot be zero")
@@ -335,7 +335,7 @@ def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, clock):
 def test_renewals_do_not_touch_the_deadline_heap(rdzv, clock):
     spec = JobSpec.build(100)
     members = [join(rdzv, params(spec, f"n{i % 10}"))[0] for i in range(100)]
-    heap = rdzv._leases  # noqa: SLF001 - the heap's size is the point
+    heap = rdzv._leases
     assert len(heap) == 100
     for _ in range(30):  # 30 renewals of every member within one TTL
         clock.now += TTL / 40
@@ -460,7 +460,7 @@ def test_once_renewed_a_member_is_bound_by_its_lease_not_its_stretched_first_one
     ids = [join(rdzv, params(spec, f"n{i}"))[0] for i in range(3)]
     formed = clock.now
     assert rdzv.next_deadline() == formed + TTL + 15
-    heap = rdzv._leases  # noqa: SLF001 - what a renewal costs is the point
+    heap = rdzv._leases
     before = len(heap)
     clock.now += 1
     for m in ids:  # the sessions open and renew: each leaves its first lease with one push
@@ -481,7 +481,7 @@ def test_once_renewed_a_member_is_bound_by_its_lease_not_its_stretched_first_one
 
 def test_a_flapping_member_costs_constant_heap_and_never_re_forms_the_world(rdzv, clock):
     ids, sinks = elastic_world(rdzv)
-    heap = rdzv._leases  # noqa: SLF001
+    heap = rdzv._leases
     sink = sinks[ids[0]]
     for i in range(1000):
         rdzv.close_session("job", ids[0], sink, departed=True)
@@ -1114,6 +1114,28 @@ def test_a_node_beyond_the_maximum_waits_as_a_standby_and_replaces_a_lost_node(r
     with pytest.raises(Full, match="all 2 nodes and as many standbys"):
         rdzv.join(node_params(spec, "f", 1))
 
+
+def test_a_job_of_nodes_below_its_minimum_waits_for_a_replacement_instead_of_failing(rdzv, clock):
+    spec = node_spec(2, 2)  # torchrun --nnodes=2:2: c10d's survivors wait for a replacement until join_timeout
+    a, _ = join(rdzv, node_params(spec, "a", 1))
+    b, _ = join(rdzv, node_params(spec, "b", 1))
+    sinks = sessions(rdzv, [a, b], job="run")
+    rdzv.close_session("run", b, sinks[b], departed=True)  # b's agent is SIGKILLed
+    clock.now += 1.0
+    actions, _ = rdzv.expire_due()
+    (change,) = pushed(actions, sinks[a])
+    assert isinstance(change, Reforming) and "waiting for 1 more to reach the minimum of 2" in change.reason
+    view = rdzv.describe("run")
+    assert (view.state, view.generation) == (JobState.FORMING, 1)
+    clock.now += 3 * TTL  # the survivor renews; no deadline of the server's fails the job
+    rdzv.renew("run", a, 1)
+    assert rdzv.describe("run").state is JobState.FORMING
+    c, actions = join(rdzv, node_params(spec, "c", 1))  # the replacement, started by its orchestrator
+    (world,) = worlds(actions)
+    assert world.generation == 2 and sorted(n.node_key for n in world.plan.nodes) == ["a", "c"]
+    assert world.plan.placement(a).rank == 0  # the survivor keeps rank 0
+    rdzv.leave("run", c)
+    assert rdzv.describe("run").state is JobState.ENDED  # a node that leaves (its agent finished) still ends the run
 
 def test_an_elastic_job_of_nodes_forms_at_its_minimum_after_the_last_call_and_grows(rdzv, clock):
     spec = node_spec(1, 3, last_call_ms=30_000)

@@ -339,9 +339,15 @@ class Leases:
         if job.units < job.spec.min_world and why == "left":  # members leaving: the job is finishing
             reason = f"{what} and {remain} (the job needs {job.spec.min_world} to go on)"
             self._stop(job, JobState.ENDED, reason, "finished", actions)
-        elif job.units < job.spec.min_world:
+        elif job.units < job.spec.min_world and not job.spec.nodes:
             reason = f"{what}; {remain}, fewer than the minimum of {job.spec.min_world}"
             self._stop(job, JobState.FAILED, reason, "cannot continue", actions)
+        elif job.units < job.spec.min_world:  # torchrun's nodes wait for a replacement until their join_timeout, as c10d's do
+            reason = f"{what}; {remain}, waiting for {job.spec.min_world - n} more to reach the minimum of {job.spec.min_world}"
+            if job.state is JobState.FORMED:
+                self._change(job, reason, actions)
+            else:
+                job.reason = reason
         elif job.state is JobState.FORMED:
             self._change(job, what, actions)
         else:
