@@ -24,6 +24,12 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 os.environ["COMMCTX_HTTP_PORT"] = "off"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first (stable otherwise): pytest-xdist's load scheduling then
+    starts one on every worker at once, and the short tests fill in around them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def hosts():
     """Two hosts: network namespaces on a bridge of their own (tests/cluster.py); skipped without root."""

@@ -14,7 +14,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server, running, worker
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def check_world(results: list[dict], layout: dict[str, int]) -> None:

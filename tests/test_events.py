@@ -130,6 +130,7 @@ def _join_quietly(session, request: pb.JoinRequest) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_a_waiting_worker_says_so_on_stderr_when_nothing_configured_logging(tmp_path):
     script = tmp_path / "waits.py"
     script.write_text(

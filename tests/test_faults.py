@@ -22,7 +22,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from .cluster import Hosts, Server, netns_available, running, worker
 from .test_operate import wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TTL = 2.0
 
 

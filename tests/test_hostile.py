@@ -177,6 +177,7 @@ async def test_error_texts_stay_short_whatever_the_value(stub, field):
     assert err.code() is Code.INVALID_ARGUMENT
 
 
+@pytest.mark.slow
 def test_an_answered_leave_survives_kill_9(tmp_path):
     for attempt in range(5):
         state = tmp_path / f"state{attempt}"

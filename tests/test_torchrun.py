@@ -24,7 +24,7 @@ from .test_operate import wait_until
 TRAIN = os.path.join(os.path.dirname(WORKER), "torchrun_train.py")
 TTL_S = 3
 
-pytestmark = pytest.mark.timeout(240)  # agents and workers are given up to 120 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # agents and workers are given up to 120 s
 
 
 def torchrun(server: str, job: str, nnodes: str, ns: str, hostname: str, *script_args: str, conf: str = "") -> Proc:

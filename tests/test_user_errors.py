@@ -396,6 +396,7 @@ def test_torch_s_own_and_c10d_s_rdzv_conf_keys_are_accepted():
     handler.shutdown()
 
 
+@pytest.mark.slow
 def test_torchrun_stops_on_a_misspelt_rdzv_conf_key_and_accepts_its_own_keys(tmp_path):
     """Real torchrun: its launcher adds keys of its own ('timeout'); a misspelt
     key of the user's stops it with the handler's one line."""
@@ -490,6 +491,7 @@ def test_commctx_job_still_names_the_job_with_a_warning_naming_commctx_job_id(mo
     assert LauncherEnv.from_env({"COMMCTX_JOB": "legacy", "COMMCTX_JOB_ID": "new"}).job_id == "new"
 
 
+@pytest.mark.slow
 def test_the_example_and_compose_use_commctx_job_id_and_the_old_name_still_joins(monkeypatch):
     """The compose worker's variables are the ones the example reads, which are
     the library's; a worker with only the old COMMCTX_JOB still joins its job."""
