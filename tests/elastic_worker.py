@@ -1,0 +1,36 @@
+"""A torchrun worker for tests/test_torch_elastic.py's scenarios, without torch
+(it starts in milliseconds): prints one JSON line of what its agent told it
+(RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, the restart count,
+its pid), writes the same to OUT_DIR/RANK.json with --out-dir, and with
+--stop-file runs until that file exists (at most --hold seconds)."""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir")
+    parser.add_argument("--stop-file")
+    parser.add_argument("--hold", type=float, default=60.0)
+    args = parser.parse_args()
+    env = {k: os.environ.get(k) for k in KEYS}
+    env["pid"] = os.getpid()
+    line = json.dumps(env)
+    if args.out_dir:
+        with open(os.path.join(args.out_dir, f"{env['RANK']}.json"), "w") as f:
+            f.write(line)
+    print(line, flush=True)
+    deadline = time.monotonic() + args.hold
+    while args.stop_file and not os.path.exists(args.stop_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
