@@ -30,6 +30,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture(autouse=True)
+def _environment():
+    """Each test starts with the environment the last one found: what a test or an
+    in-process torchrun handler sets (COMMCTX_SERVER, GLOO_SOCKET_IFNAME, ...) goes with it."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture
 def hosts():
     """Two hosts: network namespaces on a bridge of their own (tests/cluster.py); skipped without root."""
