@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -436,13 +435,38 @@ def list_jobs(stub: pb_grpc.RendezvousStub | LeaderStub) -> list[pb.JobDescripti
             return jobs
 
 
+class _Stop:
+    """Ctrl-C or SIGTERM for --watch: the handler marks it, and interrupts only the
+    refresh's sleep, never a gRPC call in flight (whose KeyboardInterrupt grpc can swallow)."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self.sleeping = False
+
+    def __call__(self, signum, frame) -> None:
+        self.set = True
+        if self.sleeping:
+            self.sleeping = False  # once: a second signal finds the flag
+            raise KeyboardInterrupt
+
+    def wait(self, seconds: float) -> bool:
+        """Sleeps `seconds` unless stopped; whether it was."""
+        self.sleeping = True
+        try:
+            if not self.set:
+                time.sleep(seconds)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.sleeping = False
+        return self.set
+
+
 def run_status(args: argparse.Namespace) -> int:
     if not args.watch:
         return _status(args, None)
-    # Ctrl-C (or SIGTERM) ends --watch after the call in flight, which a KeyboardInterrupt raised
-    # inside grpc's blocking call can fail to do.
-    stop = threading.Event()
-    handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = _Stop()
+    handlers = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _status(args, stop)
     finally:
@@ -450,7 +474,7 @@ def run_status(args: argparse.Namespace) -> int:
             signal.signal(s, h)
 
 
-def _status(args: argparse.Namespace, stop: threading.Event | None) -> int:
+def _status(args: argparse.Namespace, stop: _Stop | None) -> int:
     _, endpoints = connect(args)
     try:
         stub = LeaderStub(endpoints)  # each call goes to the leader, following a replica's hint
@@ -468,7 +492,7 @@ def _status(args: argparse.Namespace, stop: threading.Event | None) -> int:
                 if stop is None:
                     return 1
                 text = None
-            if stop is not None and stop.is_set():
+            if stop is not None and stop.set:
                 return 0
             if text is not None:
                 if stop is not None and sys.stdout.isatty():
