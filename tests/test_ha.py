@@ -122,33 +122,47 @@ def unread_bytes(port: int) -> int:
     return sum(int(row.split()[0]) for row in rows if row.strip())
 
 
-def test_a_deposed_leader_writes_nothing(cluster):
+def test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_state(cluster):
     """The leader is frozen (SIGSTOP) past its election lease; another wins.
-    Thawed, the old leader finds a Join waiting: whether its write is fenced
-    or it notices its lost lease first, the Join is answered UNAVAILABLE and
-    the job exists nowhere."""
+    Thawed, the old leader finds a Join and three reads waiting (DescribeJob
+    and KeepAlive of a job it holds, ListJobs): whether its write is fenced or
+    it notices its lost lease first, each is answered UNAVAILABLE, none from
+    the state it held, and the job of the Join exists nowhere."""
     old = cluster.leader(10)
+    ch = grpc.insecure_channel(cluster.address(old))
+    stub = pb_grpc.RendezvousStub(ch)
+    kept = join(stub, "kept", 1, "n", 9000).result()
     os.kill(cluster.procs[old].popen.pid, signal.SIGSTOP)
     try:
         new = cluster.leader(ELECTION_TTL + 5, but=old)
-        ch = grpc.insecure_channel(cluster.address(old))
-        late = join(pb_grpc.RendezvousStub(ch), "late", 1, "n", 9100)
-        # The call's bytes wait, unread, in the frozen process's socket.
-        deadline = time.monotonic() + 10
-        while not unread_bytes(cluster.ports[old]):
-            assert time.monotonic() < deadline, "the call never reached the frozen leader's socket"
-            time.sleep(0.01)
+        sends = {
+            "Join": lambda: join(stub, "late", 1, "n", 9100),
+            "DescribeJob": lambda: stub.DescribeJob.future(pb.DescribeJobRequest(job_id="kept"), timeout=40),
+            "ListJobs": lambda: stub.ListJobs.future(pb.ListJobsRequest(), timeout=40),
+            "KeepAlive": lambda: stub.KeepAlive.future(pb.KeepAliveRequest(
+                job_id="kept", member_id=kept.member_id, member_secret=kept.member_secret, generation=1), timeout=40),
+        }
+        calls = {}
+        for method, send in sends.items():  # each call's bytes wait, unread, in the frozen process's socket
+            before = unread_bytes(cluster.ports[old])
+            calls[method] = send()
+            deadline = time.monotonic() + 10
+            while unread_bytes(cluster.ports[old]) <= before:
+                assert time.monotonic() < deadline, f"{method} never reached the frozen leader's socket"
+                time.sleep(0.01)
     finally:
         os.kill(cluster.procs[old].popen.pid, signal.SIGCONT)
-    with pytest.raises(grpc.RpcError) as refused:
-        late.result()
-    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    for method, call in calls.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            call.result()
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE, (method, refused.value.details())
     ch.close()
     nch, stub = cluster.stub(new)
     with nch:
         with pytest.raises(grpc.RpcError) as missing:
             stub.DescribeJob(pb.DescribeJobRequest(job_id="late"), timeout=5)
         assert missing.value.code() is grpc.StatusCode.NOT_FOUND
+        assert stub.DescribeJob(pb.DescribeJobRequest(job_id="kept"), timeout=5).joined == 1  # the new leader holds it
     assert cluster.leader(5) == new
     assert cluster.health(old) != SERVING
     log = cluster.procs[old].log()

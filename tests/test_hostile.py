@@ -26,7 +26,7 @@ that this list is the whole threat model's checklist:
 | TLS off by an empty flag; a bad, mismatched, expired certificate served | test_tenants.py |
 | a spare port out of range handed to every worker | test_tenants.py |
 | short job secrets; guessing one at 1,600 tries a second | test_tenants.py |
-| a frozen leader that thaws answers from stale state | test_ha.py::test_a_frozen_leader_that_thaws_answers_nothing |
+| a frozen leader that thaws answers from stale state | test_ha.py::test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_state |
 | a job's history flooded by one refusal; a slow reader of WatchEvents or the event stream | test_machine.py::test_a_refusal_is_recorded_and_a_storm_of_it_counted; test_events.py |
 """
 
