@@ -194,15 +194,17 @@ def agent_local_world_size() -> int | None:
     torch passes its handlers no worker count, but every launcher (the torchrun
     CLI, elastic_launch, run.main) runs a SimpleElasticAgent, whose
     `_rendezvous(worker_group)` calls next_rendezvous with the WorkerSpec in
-    hand. Read from that caller's frame; None when no agent is calling."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-
+    hand. Read from that caller's frame; None when no agent is calling (none
+    can be where torch's agent module was never imported)."""
+    api = sys.modules.get("torch.distributed.elastic.agent.server.api")
+    if api is None:
+        return None
     frame = sys._getframe(1)
     for _ in range(8):
         if frame is None:
             return None
         spec = frame.f_locals.get("spec")
-        if isinstance(spec, WorkerSpec):
+        if isinstance(spec, api.WorkerSpec):
             return spec.local_world_size
         frame = frame.f_back
     return None
