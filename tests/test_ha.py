@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from commctx.v1 import rendezvous_pb2 as pb
@@ -124,10 +125,11 @@ def unread_bytes(port: int) -> int:
 
 def test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_state(cluster):
     """The leader is frozen (SIGSTOP) past its election lease; another wins.
-    Thawed, the old leader finds a Join and three reads waiting (DescribeJob
-    and KeepAlive of a job it holds, ListJobs): whether its write is fenced or
-    it notices its lost lease first, each is answered UNAVAILABLE, none from
-    the state it held, and the job of the Join exists nowhere."""
+    Thawed, the old leader finds a Join, three reads (DescribeJob and KeepAlive
+    of a job it holds, ListJobs) and a readiness probe waiting: whether its
+    write is fenced or it notices its lost lease first, each call is answered
+    UNAVAILABLE, none from the state it held, the probe NOT_SERVING, and the
+    job of the Join exists nowhere."""
     old = cluster.leader(10)
     ch = grpc.insecure_channel(cluster.address(old))
     stub = pb_grpc.RendezvousStub(ch)
@@ -141,6 +143,8 @@ def test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_stat
             "ListJobs": lambda: stub.ListJobs.future(pb.ListJobsRequest(), timeout=40),
             "KeepAlive": lambda: stub.KeepAlive.future(pb.KeepAliveRequest(
                 job_id="kept", member_id=kept.member_id, member_secret=kept.member_secret, generation=1), timeout=40),
+            "Check": lambda: health_pb2_grpc.HealthStub(ch).Check.future(health_pb2.HealthCheckRequest(service=SERVICE),
+                                                                         timeout=40),
         }
         calls = {}
         for method, send in sends.items():  # each call's bytes wait, unread, in the frozen process's socket
@@ -152,6 +156,7 @@ def test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_stat
                 time.sleep(0.01)
     finally:
         os.kill(cluster.procs[old].popen.pid, signal.SIGCONT)
+    assert calls.pop("Check").result().status == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready, at once
     for method, call in calls.items():
         with pytest.raises(grpc.RpcError) as refused:
             call.result()

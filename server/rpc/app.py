@@ -71,7 +71,7 @@ class RendezvousServer:
         # Set when another server took over the store: this one must stop.
         self.deposed = asyncio.Event()
         self._servers: list[grpc.aio.Server] = []
-        self._health = Health()  # the main port's servicer, and the health-only port's (threads of its own)
+        self._health = Health(SERVICE_NAME, lambda: self.term is not None and self.leading())  # both ports' servicers
         self._tasks: list[asyncio.Task] = []
         self._web = None  # the HTTP server (server/web), when on
         self._store: Store = store if store is not None else NullStore()

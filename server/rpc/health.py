@@ -33,7 +33,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,7 +62,8 @@ class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
     hold up a Check.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shut: Callable[[str], bool] = lambda service: False) -> None:
+        self._shut = shut  # a service whose Check says NOT_SERVING whatever was set (Health's gate)
         self._changed = threading.Condition(threading.Lock())
         self._status: dict[str, int] = {"": SERVING}
         self._shutting_down = False
@@ -100,7 +101,7 @@ class ThreadedHealthServicer(health_pb2_grpc.HealthServicer):
         """What Check answers for `service`; None when it is unknown."""
         with self._changed:
             status = self._status.get(service)
-        if status is not None and time.monotonic() - self._beat > LOOP_STALLED_S:
+        if status is not None and (time.monotonic() - self._beat > LOOP_STALLED_S or self._shut(service)):
             return NOT_SERVING
         return status
 
@@ -176,14 +177,36 @@ class HealthPort:
         self._servicer.watch_pool.shutdown(wait=False)
 
 
+class _GatedAioServicer(health.aio.HealthServicer):
+    """grpc_health's asyncio servicer whose Check of the gated service says
+    NOT_SERVING while the gate is shut, whatever status was set."""
+
+    def __init__(self, shut: Callable[[str], bool]) -> None:
+        super().__init__()
+        self._shut = shut
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context) -> health_pb2.HealthCheckResponse:
+        if self._shut(request.service):
+            return health_pb2.HealthCheckResponse(status=NOT_SERVING)
+        return await super().Check(request, context)
+
+
 class Health:
     """The server's health statuses, as both ports answer them: `aio` is the
     main port's servicer (on the event loop); `port()` makes the health-only
-    port, whose servicer is set first, from the loop thread, on every change."""
+    port, whose servicer is set first, from the loop thread, on every change.
 
-    def __init__(self) -> None:
-        self.aio = health.aio.HealthServicer()
-        self.threaded = ThreadedHealthServicer()
+    `service` is SERVING only while `leading()` also says so, read at each Check
+    on either port: a leader frozen past its election lease and thawed answers
+    NOT_SERVING at once, before its loop has heard that it lost the lease."""
+
+    def __init__(self, service: str, leading: Callable[[], bool]) -> None:
+        self._service, self._leading = service, leading
+        self.aio = _GatedAioServicer(self._shut)
+        self.threaded = ThreadedHealthServicer(self._shut)
+
+    def _shut(self, service: str) -> bool:
+        return service == self._service and not self._leading()
 
     def port(self) -> HealthPort:
         return HealthPort(self.threaded)
