@@ -9,7 +9,7 @@ SQLite store). The members are grpc.aio clients in --procs processes, spread
 over --channels connections per process; each holds a Session stream and
 renews every TTL/3, renewals spread over the period, as CommContext does
 (rank 0 offers a new spare port on its session). One member (rank N/2) stops
-renewing. The clock starts when its lease runs out (its last renewal + TTL)
+renewing and hangs, its stream open (a hung process, found by its lease). The clock starts when its lease runs out (its last renewal + TTL)
 and stops when the last survivor has its generation-2 assignment. Meanwhile
 a prober calls grpc.health.v1 Check every 20 ms; the loop lag is the
 server's own gauge (the worst lateness of a 50 ms timer over the last 10 s).
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import grpc
@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from harness import commctx_server, relay_server, scrape, tune_gc
+from harness import commctx_server, relay_server, scrape, start_loads, tune_gc
 
 JOB = "reform"
 
@@ -52,6 +52,8 @@ class Member:
         self.alive = True
         self.last_renewal = 0.0
         self.gen2_at: float | None = None
+        self.hung = asyncio.Event()  # it stopped renewing
+        self.release = asyncio.Event()  # the run is over: end the stream
 
     async def send(self) -> None:
         async with self.lock:
@@ -67,6 +69,11 @@ class Member:
         while self.alive:
             await self.send()
             await asyncio.sleep(self.ttl / 3)
+        # A member that stops renewing hangs, its stream left open, as a hung process
+        # does: both servers find it by its lease. (One that ended its stream would be
+        # removed by commctx at --reconnect-grace-s, by the relay at its lease.)
+        self.hung.set()
+        await self.release.wait()
         self.call.cancel()
         reader.cancel()
 
@@ -80,7 +87,8 @@ class Member:
                 self.generation = event.assignment.generation
 
 
-def load(address: str, first: int, count: int, total: int, ttl: float, channels: int, conn: Connection) -> None:
+def load(first: int, count: int, address: str, total: int, ttl: float, channels: int, conn: Connection) -> None:
+    """A load process (harness.start_loads' target): `count` members from `first` on."""
     tune_gc()
     try:
         asyncio.run(_load(address, first, count, total, ttl, channels, conn))
@@ -116,14 +124,14 @@ async def _load(address: str, first: int, count: int, total: int, ttl: float, ch
     conn.send("joined")
     await _recv(conn)
     tasks = [asyncio.ensure_future(m.run(ttl / 3 * (first + i) / total)) for i, m in enumerate(members)]
-    await asyncio.gather(*(m.opened.wait() for m in members))
+    # Within two leases, or the run is void (a machine so busy that leases ran out before the sessions opened).
+    await asyncio.wait_for(asyncio.gather(*(m.opened.wait() for m in members)), 2 * ttl)
     conn.send("open")
     victim_rank = await _recv(conn)
     victim = next((m for m in members if m.rank == victim_rank), None)
     if victim is not None:
         victim.alive = False
-        while not victim.call.done():
-            await asyncio.sleep(0.01)
+        await victim.hung.wait()
         conn.send(victim.last_renewal)
     survivors = [m for m in members if m is not victim]
     deadline = time.monotonic() + ttl + 120
@@ -134,6 +142,7 @@ async def _load(address: str, first: int, count: int, total: int, ttl: float, ch
     await _recv(conn)
     for m in members:
         m.alive = False
+        m.release.set()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -171,45 +180,44 @@ def step(what: str) -> None:
     print(f"# {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
+def reform(pipes: list[Connection], n: int, ttl: float, settled: Callable[[], object]) -> tuple[float, float, list]:
+    """Drives the load processes through one run: the Joins, the sessions, a
+    wait until every member has renewed on its own schedule and the expiry comes
+    over 10 s after the sessions opened (so the lag gauge's window, the last
+    10 s, holds the re-form, not the burst of opening), `settled()`, then member
+    N/2 hangs. Returns (its lease's end, the last survivor at generation 2, each
+    load process's result)."""
+    for c in pipes:
+        assert receive(c, "joining") == "joined"
+    step("joined; opening sessions")
+    for c in pipes:
+        c.send("sessions")
+    for c in pipes:
+        assert receive(c, "opening sessions") == "open"
+    step("sessions open")
+    time.sleep(max(ttl / 3 + 1, 11 - ttl))
+    settled()
+    for c in pipes:
+        c.send(n // 2)
+    step("one member stops renewing")
+    ready = wait(pipes, timeout=300)
+    last_renewal = next(receive(c, "stopping a member") for c in ready if c.poll())
+    results = [receive(c, "re-forming", ttl + 180) for c in pipes]
+    step("re-formed")
+    return last_renewal + ttl, max(r[0] for r in results), results
+
+
 def measure(kind: str, n: int, procs: int, channels: int, ttl: float) -> dict:
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as state:
         make = commctx_server("--log-level", "warning", "--lease-ttl-s", str(ttl), "--state-dir", state, metrics=True) \
             if kind == "commctx" else relay_server("--lease-ttl-s", str(ttl), metrics=True)
         with make as server:
-            pipes, workers = [], []
-            share = n // procs
-            for p in range(procs):
-                parent, child = ctx.Pipe()
-                count = share if p < procs - 1 else n - share * (procs - 1)
-                w = ctx.Process(target=load, args=(server.address, p * share, count, n, ttl, channels, child), daemon=True)
-                w.start()
-                pipes.append(parent)
-                workers.append(w)
+            pipes, workers = start_loads(load, n, procs, server.address, n, ttl, channels)
             step(f"{kind}: {n} joining")
-            for c in pipes:
-                assert receive(c, "joining") == "joined"
-            step("joined; opening sessions")
-            for c in pipes:
-                c.send("sessions")
-            for c in pipes:
-                assert receive(c, "opening sessions") == "open"
-            step("sessions open")
-            # Every member has renewed on its own schedule, and the expiry comes
-            # over 10 s after the sessions opened, so the lag gauge's window
-            # (the last 10 s) holds the re-form, not the burst of opening.
-            time.sleep(max(ttl / 3 + 1, 11 - ttl))
-            prober = Prober(server.address)
-            before = scrape(server.metrics_url)
-            for c in pipes:
-                c.send(n // 2)
-            step("one member stops renewing")
-            ready = wait(pipes, timeout=300)
-            last_renewal = next(receive(c, "stopping a member") for c in ready if c.poll())
-            expired = last_renewal + ttl
-            results = [receive(c, "re-forming", ttl + 180) for c in pipes]
-            step("re-formed")
-            finished = max(r[0] for r in results)
+            probed: list = []
+            expired, finished, results = reform(pipes, n, ttl, lambda: probed.extend(
+                [Prober(server.address), scrape(server.metrics_url)]))
+            prober, before = probed
             metrics = scrape(server.metrics_url)
             lag = metrics["commctx_event_loop_lag_max_seconds"]
             gc_s = sum(metrics[k] - before.get(k, 0.0) for k in metrics if k.startswith("commctx_gc_pause_seconds_sum"))
