@@ -19,6 +19,11 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 # hadolint, check-jsonschema) live beside the interpreter running it, e.g.
 # .venv/bin, which is not on PATH when pytest is started as .venv/bin/python.
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# The suite starts hundreds of Python processes (xdist workers, servers, workers, CLIs):
+# they keep the bytecode they compile, which an environment's PYTHONDONTWRITEBYTECODE=1
+# forbids, or each one compiles the package (and pytest rewrites every test module) again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # Servers the tests start serve no HTTP unless a test asks for it (--http-port 0): the
 # default port, 50080, would be shared by every server a test runs at once.
 os.environ["COMMCTX_HTTP_PORT"] = "off"
