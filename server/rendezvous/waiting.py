@@ -86,8 +86,10 @@ class Joining:
                 raise
             longest = self._machine.limits.max_join_wait_s  # no Join is held longer, whatever it asks
             timeout = min(wait_s, longest) if wait_s else longest
-            if call_remaining_s is not None:  # answer with who is missing before the call's own deadline cuts it
-                timeout = min(timeout, call_remaining_s - min(1.0, call_remaining_s * 0.1))
+            if call_remaining_s is not None:  # answer with who is missing before the call's own deadline cuts it:
+                # a tenth of its time early, at least 0.5 s (half, for a shorter call), at most 1 s
+                margin = min(1.0, max(call_remaining_s * 0.1, min(0.5, call_remaining_s / 2)))
+                timeout = min(timeout, call_remaining_s - margin)
             # Registered before the actions run: the world may form with this very join.
             waiter = self._waiters.add(params.job_id, joined.member_id, timeout) if placed is None else None
             self._executor.submit(actions)
