@@ -457,6 +457,34 @@ async def test_a_rank_0_without_a_spare_port_is_told_and_awaited(stub):
     session.cancel()
 
 
+async def test_a_restart_asked_in_a_sessions_first_message_re_forms_the_world(stub):
+    """A launcher may ask for a restart before its session stream is open (the
+    request then rides the stream's first message): the world re-forms as when
+    it is asked on an open stream, and the other member hears of it."""
+    a, b = await asyncio.gather(*(stub.Join(join_request("restart", 2, "n", i)) for i in range(2)))
+    ranks = {a.assignment.rank: a, b.assignment.rank: b}
+    rank0, rank1 = ranks[0], ranks[1]
+    watching = stub.Session()
+    await watching.write(pb.SessionRequest(job_id="restart", member_id=rank0.member_id, member_secret=rank0.member_secret,
+                                           generation=1, spare_port=3333))
+    assert (await next_event(watching)).lease_ttl_ms == 5000
+    restarting = stub.Session()
+    await restarting.write(pb.SessionRequest(job_id="restart", member_id=rank1.member_id, member_secret=rank1.member_secret,
+                                             generation=1, restart_generation=1))
+    assert (await next_event(restarting)).lease_ttl_ms == 5000
+    event = await next_event(watching)  # the change, or at once the next world
+    if event.WhichOneof("event") == "world_changed":
+        assert event.world_changed.generation == 1 and "restarts its workers" in event.world_changed.reason
+        await watching.write(pb.SessionRequest(job_id="restart", member_id=rank0.member_id, member_secret=rank0.member_secret,
+                                               generation=1, spare_port=3333))
+        event = await next_event(watching)
+    assert event.assignment.generation == 2
+    d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="restart"))
+    assert (d.state, d.generation) == (pb.JobDescription.FORMED, 2)
+    watching.cancel()
+    restarting.cancel()
+
+
 async def test_a_reconnecting_session_catches_up(stub):
     a = await stub.Join(grow_request("catch", "n0", 1111))
     first = stub.Session()

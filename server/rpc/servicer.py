@@ -126,6 +126,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         for event in missed:
             sink.put_nowait(event)
         self._executor.submit(actions)
+        if first.restart_generation:  # asked for before this stream opened (a launcher restarting at once)
+            self._restart(job_id, member_id, first.restart_generation, sink)
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
         self._sinks.add(sink)
         self._machine.shares.live.add(caller, sink.put_nowait)  # a revoked token's session ends (UnknownToken)
@@ -175,16 +177,26 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 _, actions = self._machine.renew(job_id, member_id, request.generation, request.spare_port)
                 if actions:
                     self._executor.submit(actions)
-                if request.restart_generation:
-                    actions = self._machine.restart(job_id, member_id, request.restart_generation)
-                    if actions:
-                        self._executor.submit(actions)
             except NotFound as exc:
                 sink.put_nowait(Gone(str(exc)))
                 return
             except BadRequest as exc:  # ends the stream, INVALID_ARGUMENT; the lease runs on
                 sink.put_nowait(exc)
                 return
+            if request.restart_generation and not self._restart(job_id, member_id, request.restart_generation, sink):
+                return
+
+    def _restart(self, job_id: str, member_id: str, generation: int, sink: asyncio.Queue) -> bool:
+        """A launcher's request to restart the world of `generation`; False once
+        the member is gone (its session hears it)."""
+        try:
+            actions = self._machine.restart(job_id, member_id, generation)
+        except NotFound as exc:
+            sink.put_nowait(Gone(str(exc)))
+            return False
+        if actions:
+            self._executor.submit(actions)
+        return True
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse | None:
         def renew() -> pb.KeepAliveResponse:
