@@ -147,6 +147,15 @@ def signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def reap(proc: subprocess.Popen, wait_s: float) -> None:
+    """Waits `wait_s` for a process asked to end, then kills its process group."""
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 # -- the processes this benchmark runs ---------------------------------------------------
 
 
@@ -257,11 +266,7 @@ class Server:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                signal_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+            reap(self.proc, 30)
         self._log.close()
 
 
@@ -292,11 +297,7 @@ class Worker:
     def stop(self) -> None:
         with contextlib.suppress(OSError):
             self.proc.stdin.close()  # leave (destroy) and exit
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            signal_group(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        reap(self.proc, 15)
         self._err.close()
 
 
