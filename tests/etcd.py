@@ -42,10 +42,21 @@ class Etcd:
     def __init__(self, tls: tuple[str, str, str] | None = None) -> None:
         self.tls = tls
         self.data = tempfile.mkdtemp(prefix="commctx-etcd-")
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
         self.proc: subprocess.Popen | None = None
-        self.start()
+        for attempt in range(3):  # a free port can be taken by another test process before etcd binds it
+            self.client_port, self.peer_port = free_port(), free_port()
+            self.endpoint = f"127.0.0.1:{self.client_port}"
+            try:
+                self.start()
+                return
+            except RuntimeError as exc:
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                self.proc.kill()
+                self.proc.wait(10)
+                self.log.close()
+                shutil.rmtree(os.path.join(self.data, "d"), ignore_errors=True)
+                os.unlink(os.path.join(self.data, "etcd.log"))
 
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"

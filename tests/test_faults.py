@@ -284,8 +284,17 @@ def test_a_full_disk_refuses_answers_it_cannot_make_durable(tmp_path):
             assert serving() == health_pb2.HealthCheckResponse.NOT_SERVING
 
             held = [join("held", 2, "a"), join("held", 2, "b")]
+
+            def held_joined() -> int:
+                try:
+                    return describe(server.address, "held").joined
+                except grpc.RpcError as exc:
+                    if exc.code() is not grpc.StatusCode.NOT_FOUND:
+                        raise
+                    return 0
+
             deadline = time.monotonic() + 10
-            while describe(server.address, "held").joined < 2 and time.monotonic() < deadline:
+            while held_joined() < 2 and time.monotonic() < deadline:  # the Joins are in flight: the job may not exist yet
                 time.sleep(0.05)
             d = describe(server.address, "held")
             assert (d.state, d.joined, d.generation) == (pb.JobDescription.FORMING, 2, 0)
