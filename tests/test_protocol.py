@@ -697,3 +697,38 @@ async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the
     for thread in parsers:
         thread.join(timeout=10)
         assert not thread.is_alive()
+
+
+def test_an_assignment_encoded_ahead_parses_to_the_message_built_field_by_field():
+    """Session assignments are written as bytes joined from parts shared by the
+    world (codec.session_event): they must parse to the very message that
+    fill_assignment builds, for every member, in a first world and a re-formed one."""
+    from commctx.common.planning import Candidate, JobSpec, plan_world
+    from commctx.server.rendezvous.model import NewWorld
+    from commctx.server.rpc import codec
+
+    spec = JobSpec.from_json(dict(
+        world_size=6, roles=[dict(role="trainer", count=2), dict(role="rollout", count=4)],
+        groups=[dict(mode="TRAIN_DATA_PARALLEL", role_group=dict(roles=["trainer"])),
+                dict(mode="WEIGHT_TRANSFER", weight_transfer=dict(sender_role="trainer", receiver_roles=["rollout"], scope="SCOPE_NODE")),
+                dict(mode="PAIRS", named=dict(groups=[dict(ranks=[4, 1]), dict(ranks=[5])]))],
+        cpu_twins=["TRAIN_DATA_PARALLEL"]))
+    layout = [("n1", "rollout"), ("n0", "rollout"), ("n0", "trainer"), ("n1", "trainer"), ("n0", "rollout"), ("n1", "rollout")]
+    members = [Candidate(f"m{i}", node, f"10.0.0.{node[1]}", 30000 + i, None, None, role) for i, (node, role) in enumerate(layout)]
+    first = plan_world(members, spec)
+    # m5 is replaced by m6 on its node: m6 has no previous rank
+    second = plan_world([*members[:5], Candidate("m6", "n1", members[5].address, 30006, None, None, "rollout")], spec)
+    for world in (NewWorld("job", 1, first, None), NewWorld("job", 2, second, first, "member m5 (node 'n1', rank 5) left")):
+        seen_previous = set()
+        for mid in world.plan.ranks:
+            expected = pb.SessionEvent()
+            codec.fill_assignment(expected.assignment, world.assignment_for(mid))
+            wire = codec.session_event(world, mid)
+            assert type(wire) is bytes and pb.SessionEvent.FromString(wire) == expected, mid
+            got = pb.SessionEvent.FromString(wire).assignment
+            assert [g.mode for g in got.groups] == [g.mode for g in expected.assignment.groups]  # the creation order
+            seen_previous.add(got.HasField("previous_rank"))
+        assert seen_previous == ({False} if world.previous is None else {True, False})  # m6: no previous rank
+        assert codec.session_event(world, "m-unknown") is None
+    assert codec.pass_bytes(pb.SessionEvent.SerializeToString)(b"\x08\x01") == b"\x08\x01"
+    assert codec.pass_bytes(pb.SessionEvent.SerializeToString)(pb.SessionEvent(lease_ttl_ms=1)) == b"\x08\x01"

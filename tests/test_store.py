@@ -38,6 +38,7 @@ from commctx.server.rendezvous.store import (
     PutMember,
     StoreError,
     TrimEvents,
+    without_superseded,
 )
 
 from .etcd import Etcd, etcd_binary
@@ -156,6 +157,22 @@ def test_writes_apply_in_order(make_store):
     assert (j.job_id, j.state, j.reason, j.world) == ("j", "failed", "why", None)
     assert j.members == (member("m2", 2, port=9),)
     assert (again.job_id, again.reason, again.members) == ("again", "back", ())
+
+
+def test_a_job_put_again_in_one_commit_is_written_once_with_the_same_result(make_store):
+    # A re-form puts its job twice in one batch (FORMING, then FORMED); the executor drops the first.
+    writes = [PutJob(JobRecord("j", SPEC, "forming", 1, "m9 left", WORLD)), PutMember("j", member("m1", 1)),
+              PutJob(JobRecord("k", SPEC, "forming", 0, "", None)), DeleteJob("k"),
+              PutJob(JobRecord("j", SPEC, "formed", 2, "m9 left", WORLD)), PutJob(JobRecord("k", SPEC, "forming", 0, "back", None))]
+    kept = without_superseded(writes)
+    assert kept == [writes[1], writes[3], writes[4], writes[5]]
+    assert without_superseded(kept) is kept  # nothing to drop: the same list
+    s, reference = make_store(), MemoryStore()
+    s.commit(kept, s.take_over())
+    reference.commit(writes, reference.take_over())
+    s.close()
+    assert make_store().load() == reference.load()
+    assert [(j.job_id, j.state, j.generation, j.reason) for j in reference.load()] == [("j", "formed", 2, "m9 left"), ("k", "forming", 0, "back")]
 
 
 def test_a_writer_that_was_taken_over_is_fenced(make_store):

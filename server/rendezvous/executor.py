@@ -9,7 +9,9 @@ the pushed events in their session sinks and wakes the Join waiters, in
 order. So a formed world is durable before anyone hears of it, and nobody
 hears of a later change before an earlier one. Long lists of pushes and wakes
 go in slices, yielding the event loop between them, and worlds too big to
-plan inside a transition are planned in a worker thread.
+plan inside a transition are planned in a worker thread, from the moment
+they are asked for (while the writes before them commit). Writes that a later
+one of the same batch replaces (a job put twice) are dropped.
 
 The Join calls waiting for their world are `Waiters` (waiting.py), which
 the executor wakes. It also arms the one timer that runs the machine's
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from ..errors import Unavailable
 from .machine import Actions, Rendezvous, plan_or_error
 from .model import Note, PlanRequest
-from .store import Fenced, Store, StoreError
+from .store import Fenced, Store, StoreError, without_superseded
 from .waiting import SLICE, Waiters
 from .watching import Watchers
 
@@ -103,8 +105,7 @@ class Executor:
         """Queues a transition's actions (and what transitions that raised still implied)."""
         actions = self._with_outbox(actions)
         if actions:
-            self._queue.append((actions, None))
-            self._ready.set()
+            self._enqueue(actions, None)
         self._rearm()
 
     async def carry_out(self, actions: Actions) -> None:
@@ -118,10 +119,20 @@ class Executor:
             raise self._closed
         actions = self._with_outbox(actions)
         done = asyncio.get_running_loop().create_future()
-        self._queue.append((actions, done))
-        self._ready.set()
+        self._enqueue(actions, done)
         self._rearm()
         await done
+
+    def _enqueue(self, actions: Actions, done: asyncio.Future[None] | None) -> None:
+        """Queues actions to carry out; the worlds they ask planned are planned
+        from now on, while earlier writes commit (planning is pure: the plan
+        reaches the machine through `planned`, after whatever is queued now)."""
+        self._queue.append((actions, done))
+        self._ready.set()
+        for request in actions.plans:
+            task = asyncio.create_task(self._plan(request), name=f"commctx-plan-{request.job_id}")
+            self._planning.add(task)
+            task.add_done_callback(self._planning.discard)
 
     def _with_outbox(self, actions: Actions) -> Actions:
         outbox = self._machine.take_outbox() if self._machine.has_outbox else None
@@ -142,7 +153,7 @@ class Executor:
             while self._queue:
                 self._busy = True
                 batch = list(self._queue)
-                writes = [w for actions, _ in batch for w in actions.writes]
+                writes = without_superseded([w for actions, _ in batch for w in actions.writes])
                 if writes and not await self._commit(writes):
                     if self.fenced is not None:
                         return
@@ -162,10 +173,6 @@ class Executor:
                             await asyncio.sleep(0)
                     for job_id, outcome in actions.wakes:
                         await self._waiters.wake(job_id, outcome)
-                    for request in actions.plans:
-                        task = asyncio.create_task(self._plan(request), name=f"commctx-plan-{request.job_id}")
-                        self._planning.add(task)
-                        task.add_done_callback(self._planning.discard)
                     if done is not None and not done.done():
                         done.set_result(None)
                 self._busy = False
@@ -254,8 +261,7 @@ class Executor:
         self._timer, self._timer_at = None, math.inf
         actions, more = self._machine.expire_due()
         if actions:
-            self._queue.append((actions, None))
-            self._ready.set()
+            self._enqueue(actions, None)
         if more:  # an expiry storm: the rest after other work has had the loop
             self._timer, self._timer_at = asyncio.get_running_loop().call_soon(self._fire), -math.inf
         else:

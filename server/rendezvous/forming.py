@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from commctx.common.planning import JobSpec, PlanError, WorldPlan, elide, plan_world
+from commctx.common.planning import Candidate, JobSpec, PlanError, WorldPlan, elide, plan_world
 
 from .actions import Actions
 from .model import EventKind, Gone, Job, JobState, JobStopped, Lease, NewWorld, Note, PlanRequest, Reforming
@@ -141,13 +141,18 @@ class Forming:
         """The next world's workers, in _member_order; whole members, so at most `n`."""
         members = job.members
         seats = cls._seats(job)
-        candidates = []
+        candidates: list[Candidate] = []
+        unseated = (None, None)
         for mid in cls._member_order(job, seats):
             m = members[mid]
-            if len(candidates) + m.workers <= n:
+            if m.workers == 1:  # most members, ten thousand at a re-form: built here, not in a call
+                if len(candidates) < n:
+                    candidates.append(Candidate(mid, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role,
+                                                *seats.get(mid, unseated)))
+            elif len(candidates) + m.workers <= n:
                 candidates += m.candidates(mid, seats.get(mid))
-                if len(candidates) == n:
-                    break
+            if len(candidates) == n:
+                break
         return candidates
 
     def _form(self, job: Job, n: int, actions: Actions) -> None:

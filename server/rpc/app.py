@@ -245,8 +245,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         method = path.rsplit("/", 1)[-1]
         parse = codec.tolerant(handler.request_deserializer, f"commctx.v1.{method}Request", self._log_line)
         if handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                handler.stream_stream, request_deserializer=parse, response_serializer=handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(  # Session: assignments are written encoded
+                handler.stream_stream, request_deserializer=parse, response_serializer=codec.pass_bytes(handler.response_serializer))
         inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
         async def checked(request, context: grpc.aio.ServicerContext):

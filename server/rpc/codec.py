@@ -256,15 +256,70 @@ def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
     return response
 
 
-def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | None:
-    """The message for a session event; None when the event holds nothing for this member."""
+class _WorldParts:
+    """What every member's assignment in one world shares, serialized once: the
+    fields common to all, and each group (members of a node, say, share one)."""
+
+    __slots__ = ("world", "common", "groups")
+
+    def __init__(self, world: NewWorld) -> None:
+        plan = world.plan
+        self.world = world  # held, so that the id keying the cache is not reused meanwhile
+        self.common = pb.SessionEvent(assignment=pb.Assignment(
+            job_id=world.job_id, generation=world.generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
+            master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url,
+            reason=world.reason)).SerializeToString()
+        self.groups: dict[int, bytes] = {}
+
+    def group(self, group: PlannedGroup) -> bytes:
+        b = self.groups.get(id(group))  # the plan holds its groups: ids are stable while it lives
+        if b is None:
+            b = self.groups[id(group)] = pb.SessionEvent(
+                assignment=pb.Assignment(groups=[_group_message(group)])).SerializeToString()
+        return b
+
+
+_worlds: dict[int, _WorldParts] = {}  # by id(NewWorld); the few worlds being delivered now
+
+
+def _world_parts(world: NewWorld) -> _WorldParts:
+    parts = _worlds.get(id(world))
+    if parts is None or parts.world is not world:
+        if len(_worlds) >= 16:
+            del _worlds[next(iter(_worlds))]  # the oldest: its delivery is over
+        parts = _worlds[id(world)] = _WorldParts(world)
+    return parts
+
+
+def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
+    """The SessionEvent carrying `member_id`'s assignment in `world`, as bytes.
+    A whole world's survivors get theirs at once (10,000 at a re-form), so what
+    they share is serialized once and joined to each member's own fields: a
+    message field that occurs more than once on the wire is merged, and
+    repeated fields keep their order, so the bytes parse to exactly the
+    message fill_assignment builds (a test holds them equal)."""
+    a = world.assignment_for(member_id)
+    if a is None:
+        return None
+    parts, plan, p = _world_parts(world), world.plan, a.placement
+    own = pb.SessionEvent(assignment=pb.Assignment(
+        rank=p.rank, node_rank=p.node_rank, local_rank=p.local_rank, local_world_size=plan.nodes[p.node_rank].size,
+        role=plan.roles[p.rank] if plan.roles else "", changed_groups=a.changed_groups,
+        previous_rank=a.previous_rank)).SerializeToString()
+    return b"".join([parts.common, own, *[parts.group(g) for g in plan.groups_of(p)]])
+
+
+def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
+    """A response serializer that sends bytes as they are (messages encoded
+    ahead, as session_event does) and serializes anything else."""
+    return lambda message: message if type(message) is bytes else serialize(message)
+
+
+def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | bytes | None:
+    """The message for a session event (a new world's assignment as its
+    encoded bytes); None when the event holds nothing for this member."""
     if isinstance(event, NewWorld):
-        a = event.assignment_for(member_id)
-        if a is None:
-            return None
-        out = pb.SessionEvent()
-        fill_assignment(out.assignment, a)
-        return out
+        return _assignment_bytes(event, member_id)
     if isinstance(event, Reforming):
         return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason))
     if isinstance(event, Gone):
