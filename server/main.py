@@ -21,19 +21,22 @@ import ssl
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import prometheus_client
 
 from commctx.common.addresses import host_port
 
 from .config import Config, from_env
-from .rendezvous.etcd import EtcdConfig, EtcdStore
 from .rendezvous.model import Limits
 from .rendezvous.sqlite import SqliteStore
 from .rendezvous.store import Store, StoreError
 from .rpc.app import ListenError, ServerTls, start_server
 from .rpc.auth import Callers
 from .telemetry import configure_logging
+
+if TYPE_CHECKING:
+    from .rendezvous.etcd import EtcdConfig
 
 log = logging.getLogger("commctx.server")
 
@@ -122,6 +125,8 @@ def reload_tokens(callers: Callers, server=None) -> None:
 
 def etcd_config(config: Config) -> EtcdConfig:
     """Raises: OSError naming a TLS file that cannot be read."""
+    from .rendezvous.etcd import EtcdConfig  # only an etcd-backed server loads its client (aetcd)
+
     def read(path: str, flag: str) -> bytes | None:
         return read_file(path, flag) if path else None
 
@@ -202,6 +207,8 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
                 etcd: EtcdConfig | None = None) -> int:
     replica = None
     if etcd is not None:
+        from .rendezvous.etcd import EtcdStore
+
         store: Store | None = EtcdStore(etcd)
         if not config.port:
             raise StoreError("--store etcd needs a fixed --port: the replica's address is published to clients")

@@ -39,7 +39,7 @@ class Forked:
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(_zygote())
+        self._conn.connect(_zygote())  # (checked up, or started, just now)
         request = {"argv": list(argv), "env": env, "cwd": os.getcwd(), "netns": netns, "hostname": hostname}
         socket.send_fds(self._conn, [json.dumps(request).encode()], [stdin_r, stdout_w, stderr])
         os.close(stdin_r)
@@ -81,8 +81,12 @@ _ZYGOTE: tuple[subprocess.Popen, str] | None = None
 
 
 def _zygote() -> str:
-    """The socket of this test process's zygote, started at the first call."""
+    """The socket of this test process's zygote, started at the first call; in
+    a pytest-xdist run, the one zygote of all its workers (_shared_zygote)."""
     global _ZYGOTE
+    shared = os.environ.get("COMMCTX_TEST_ZYGOTE")
+    if shared:
+        return _shared_zygote(*shared.split(":"))
     if _ZYGOTE is None or _ZYGOTE[0].poll() is not None:
         where = tempfile.mkdtemp(prefix="commctx-zygote-")
         atexit.register(shutil.rmtree, where, True)
@@ -93,6 +97,32 @@ def _zygote() -> str:
             raise AssertionError(f"the worker zygote did not start ({popen.wait()})")
         _ZYGOTE = (popen, path)  # it ends with this process: its stdin closes
     return _ZYGOTE[1]
+
+
+def _shared_zygote(where: str, controller: str) -> str:
+    """The zygote every xdist worker of a run shares (conftest.py names its
+    directory and the controller's pid): the first worker to need it starts
+    it, under a lock; it lives until the controller ends, whichever worker
+    started it (one torch import for the run instead of one per worker)."""
+    path = os.path.join(where, "sock")
+    with open(os.path.join(where, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(path)
+            return path  # up
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        popen = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("zygote.py")), path, controller],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=clean_env(),
+                                 start_new_session=True)  # not ended with the worker that started it
+        if popen.stdout.readline().strip() != "ready":
+            raise AssertionError(f"the shared worker zygote did not start ({popen.wait()})")
+        popen.stdout.close()
+        _SHARED.append(popen)  # held: it outlives this process's use of it
+        return path
+
+
+_SHARED: list[subprocess.Popen] = []
 
 
 class Proc:

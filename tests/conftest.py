@@ -29,6 +29,19 @@ sys.dont_write_bytecode = False
 os.environ["COMMCTX_HTTP_PORT"] = "off"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The pytest-xdist controller names a directory and itself for the one
+    worker zygote (tests/zygote.py) its workers share (tests/cluster.py)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        import atexit
+        import shutil
+        import tempfile
+
+        where = tempfile.mkdtemp(prefix="commctx-zygote-")
+        atexit.register(shutil.rmtree, where, True)
+        os.environ["COMMCTX_TEST_ZYGOTE"] = f"{where}:{os.getpid()}"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow tests first (stable otherwise): pytest-xdist's load scheduling then
     starts one on every worker at once, and the short tests fill in around them."""

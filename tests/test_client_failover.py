@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
-import trustme
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -363,6 +362,8 @@ async def test_failover_backoff_stays_under_a_third_of_the_lease(replicas, caplo
 
 @pytest.fixture
 def pki(tmp_path):
+    import trustme  # here: every xdist worker imports each test module, few run this
+
     ca = trustme.CA()
     cert = ca.issue_cert(NAME)
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))

@@ -22,7 +22,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.server import start_server
 from commctx.server.rendezvous.store import Fenced, MemoryStore, StoreError
-from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .conftest import eventually, join_request

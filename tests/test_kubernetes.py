@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -112,6 +111,8 @@ def flags(args: list[str]) -> dict[str, str]:
 
 
 def validate(doc: dict, version: str, where: str) -> None:
+    import kubernetes_validate  # here: every xdist worker imports each test module, few run this
+
     try:
         kubernetes_validate.validate(doc, version, strict=True)
     except kubernetes_validate.ValidationError as exc:
@@ -156,6 +157,8 @@ def test_the_validator_refuses_a_broken_manifest():
     wrong_type["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["port"] = "health"
     misspelt = copy.deepcopy(deployment)
     misspelt["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFS"] = True
+    import kubernetes_validate
+
     for broken in (wrong_type, misspelt):
         with pytest.raises(kubernetes_validate.ValidationError):
             kubernetes_validate.validate(broken, VERSIONS[0], strict=True)

@@ -15,7 +15,6 @@ import sys
 
 import grpc
 import pytest
-import trustme
 from grpc import StatusCode as Code
 
 from commctx.server import start_server
@@ -181,6 +180,8 @@ def test_a_sighup_that_drops_a_token_ends_its_calls(tokens):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
+    import trustme  # here: every xdist worker imports each test module, few run this
+
     d = tmp_path_factory.mktemp("certs")
     ca, other = trustme.CA(), trustme.CA()
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -12,7 +12,6 @@ import grpc
 import pytest
 import torch
 import torch.distributed as dist
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx import CommContext, UsageError
@@ -27,6 +26,8 @@ from .cluster import Server
 def pki(tmp_path_factory):
     """PEM files: a CA, the server's certificate (127.0.0.1, localhost), a
     client certificate from the same CA, and a stranger CA with its own client."""
+    import trustme  # here: every xdist worker imports each test module, few run this
+
     d = tmp_path_factory.mktemp("pki")
     ca, stranger = trustme.CA(), trustme.CA()
     files = {}

@@ -10,8 +10,11 @@ the arguments and the stdin/stdout/stderr the request brings.
 Protocol, on the Unix socket given as argv[1]: a client sends one JSON line
 {"argv", "env", "cwd", "netns", "hostname"} with three file descriptors (stdin,
 stdout, stderr), and reads {"pid": N} then, when the worker ends,
-{"exit": Popen-style returncode}. The server ends, killing its workers, when
-its stdin closes (the test process that started it is gone).
+{"exit": Popen-style returncode}; a connection that sends nothing is ignored
+(a liveness check). The server ends, killing its workers, when its stdin
+closes (the test process that started it is gone), or, given a pid as
+argv[2], when that process ends (the pytest-xdist controller: one zygote
+serves every worker of the run).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def main() -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_r, selectors.EVENT_READ, "child")
-    selector.register(sys.stdin, selectors.EVENT_READ, "parent")
+    parent = os.pidfd_open(int(sys.argv[2])) if len(sys.argv) > 2 else sys.stdin
+    selector.register(parent, selectors.EVENT_READ, "parent")
     print("ready", flush=True)
     children: dict[int, socket.socket] = {}
     while True:
@@ -126,6 +130,9 @@ def main() -> None:
                 continue
             conn, _ = listener.accept()
             message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            if not message:  # a client checking that this zygote is up
+                conn.close()
+                continue
             request = json.loads(message)
             sys.stdout.flush()
             sys.stderr.flush()
