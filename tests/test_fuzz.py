@@ -59,6 +59,7 @@ CALLS = 10_000  # sent at least (a batch that ends with a forming world holds a 
 BATCH = 200  # calls in flight together
 LEASE_TTL_S = 5.0
 MAX_JOIN_WAIT_S = 0.25  # the server's cap on any Join's wait: a fuzzed wait_timeout_ms never holds a batch long
+WATCH_S = 0.25  # a watch open this long with nothing sent is cancelled (a job's kept events come at once)
 CALL_TIMEOUT_S = 20.0  # a backstop only: every call is answered long before (a client-side deadline is a failure)
 FUZZ_TIMEOUT_S = 150.0
 MAX_DETAILS_BYTES = 1024
@@ -272,7 +273,7 @@ async def send(channel: grpc.aio.Channel, call: Call) -> Result:
     if call.rpc == "WatchEvents":  # a stream that lasts the job's life: its first event (or its end), then cancelled
         watch = channel.unary_stream(path)(call.payload, timeout=CALL_TIMEOUT_S)
         try:
-            first = await asyncio.wait_for(watch.read(), 1.0)
+            first = await asyncio.wait_for(watch.read(), WATCH_S)
         except asyncio.TimeoutError:  # open, with nothing kept to send yet: cancelled by wait_for
             return Result(Code.CANCELLED, "", (), ())
         except grpc.aio.AioRpcError as err:
