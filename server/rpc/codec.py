@@ -279,13 +279,16 @@ class _WorldParts:
         return b
 
 
-_worlds: dict[int, _WorldParts] = {}  # by id(NewWorld); the few worlds being delivered now
+# By id(NewWorld): the few worlds being delivered now. Each entry holds its world's
+# plan (most are jobs' current plans anyway); a world pushed out is only encoded anew.
+_worlds: dict[int, _WorldParts] = {}
+_WORLDS_KEPT = 8
 
 
 def _world_parts(world: NewWorld) -> _WorldParts:
     parts = _worlds.get(id(world))
     if parts is None or parts.world is not world:
-        if len(_worlds) >= 16:
+        if len(_worlds) >= _WORLDS_KEPT:
             del _worlds[next(iter(_worlds))]  # the oldest: its delivery is over
         parts = _worlds[id(world)] = _WorldParts(world)
     return parts
