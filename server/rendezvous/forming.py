@@ -142,13 +142,11 @@ class Forming:
         members = job.members
         seats = cls._seats(job)
         candidates: list[Candidate] = []
-        unseated = (None, None)
         for mid in cls._member_order(job, seats):
             m = members[mid]
-            if m.workers == 1:  # most members, ten thousand at a re-form: built here, not in a call
+            if m.workers == 1:  # most members (ten thousand at a re-form): no list for each
                 if len(candidates) < n:
-                    candidates.append(Candidate(mid, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role,
-                                                *seats.get(mid, unseated)))
+                    candidates.append(m.candidate(mid, seats.get(mid)))
             elif len(candidates) + m.workers <= n:
                 candidates += m.candidates(mid, seats.get(mid))
             if len(candidates) == n:

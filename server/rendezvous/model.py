@@ -213,12 +213,16 @@ class Member:
         self.secret = p.secret  # digest of its secret ("": none)
         self.workers = p.workers  # >1: a node membership, seated as local ranks 0..workers-1 (worker_id)
 
-    def candidates(self, member_id: str, seat: tuple[int, int] | None = None) -> list[Candidate]:
-        """This member's workers as the planner sees them; `seat` is its (node
+    def candidate(self, member_id: str, seat: tuple[int, int] | None = None) -> Candidate:
+        """A single-worker member as the planner sees it; `seat` is its (node
         rank, local rank) in the world being replaced."""
+        return Candidate(member_id, self.node_key, self.address, self.port, self.local_rank, self.node_rank, self.role,
+                         *(seat or (None, None)))
+
+    def candidates(self, member_id: str, seat: tuple[int, int] | None = None) -> list[Candidate]:
+        """This member's workers as the planner sees them (`candidate`, for each worker)."""
         if self.workers == 1:
-            return [Candidate(member_id, self.node_key, self.address, self.port, self.local_rank, self.node_rank, self.role,
-                              *(seat or (None, None)))]
+            return [self.candidate(member_id, seat)]
         return [Candidate(worker_id(member_id, i), self.node_key, self.address, self.port, i, self.node_rank, self.role,
                           seat[0] if seat else None) for i in range(self.workers)]
 

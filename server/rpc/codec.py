@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from commctx.common.planning import JobSpec, PlannedGroup, elide
+from commctx.common.planning import JobSpec, PlannedGroup, WorldPlan, elide
 from commctx.v1 import rendezvous_pb2 as pb
 
 from ..errors import (
@@ -218,28 +218,25 @@ def _group_message(group: PlannedGroup) -> pb.Group:
     return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs), cpu_twin=group.cpu_twin, root=group.root)
 
 
+def _shared_fields(job_id: str, generation: int, plan: WorldPlan, reason: str) -> pb.Assignment:
+    """The fields of an assignment every worker of the world has alike."""
+    return pb.Assignment(job_id=job_id, generation=generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
+                         master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=reason)
+
+
+def _own_fields(a: Seat) -> pb.Assignment:
+    """The fields of an assignment that are this worker's own (its groups aside)."""
+    plan, p = a.plan, a.placement
+    return pb.Assignment(rank=p.rank, node_rank=p.node_rank, local_rank=p.local_rank,
+                         local_world_size=plan.nodes[p.node_rank].size, role=plan.roles[p.rank] if plan.roles else "",
+                         changed_groups=a.changed_groups, previous_rank=a.previous_rank)
+
+
 def fill_assignment(m: pb.Assignment, a: Seat) -> None:
     """Writes `a` into `m` (in place: this runs once per worker of every world)."""
-    plan, p = a.plan, a.placement
-    m.job_id = a.job_id
-    m.generation = a.generation
-    m.rank = p.rank
-    m.world_size = plan.world_size
-    m.node_rank = p.node_rank
-    m.num_nodes = plan.num_nodes
-    m.local_rank = p.local_rank
-    m.local_world_size = plan.nodes[p.node_rank].size
-    m.master_addr = plan.master_addr
-    m.master_port = plan.master_port
-    m.dist_url = plan.dist_url
-    if plan.roles:
-        m.role = plan.roles[p.rank]
-    m.groups.extend([_group_message(g) for g in plan.groups_of(p)])
-    m.changed_groups.extend(a.changed_groups)
-    if a.previous_rank is not None:
-        m.previous_rank = a.previous_rank
-    if a.reason:
-        m.reason = a.reason
+    m.MergeFrom(_shared_fields(a.job_id, a.generation, a.plan, a.reason))
+    m.MergeFrom(_own_fields(a))
+    m.groups.extend([_group_message(g) for g in a.plan.groups_of(a.placement)])
 
 
 def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
@@ -263,12 +260,9 @@ class _WorldParts:
     __slots__ = ("world", "common", "groups")
 
     def __init__(self, world: NewWorld) -> None:
-        plan = world.plan
         self.world = world  # held, so that the id keying the cache is not reused meanwhile
-        self.common = pb.SessionEvent(assignment=pb.Assignment(
-            job_id=world.job_id, generation=world.generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
-            master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url,
-            reason=world.reason)).SerializeToString()
+        self.common = pb.SessionEvent(
+            assignment=_shared_fields(world.job_id, world.generation, world.plan, world.reason)).SerializeToString()
         self.groups: dict[int, bytes] = {}
 
     def group(self, group: PlannedGroup) -> bytes:
@@ -304,12 +298,9 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     a = world.assignment_for(member_id)
     if a is None:
         return None
-    parts, plan, p = _world_parts(world), world.plan, a.placement
-    own = pb.SessionEvent(assignment=pb.Assignment(
-        rank=p.rank, node_rank=p.node_rank, local_rank=p.local_rank, local_world_size=plan.nodes[p.node_rank].size,
-        role=plan.roles[p.rank] if plan.roles else "", changed_groups=a.changed_groups,
-        previous_rank=a.previous_rank)).SerializeToString()
-    return b"".join([parts.common, own, *[parts.group(g) for g in plan.groups_of(p)]])
+    parts = _world_parts(world)
+    own = pb.SessionEvent(assignment=_own_fields(a)).SerializeToString()
+    return b"".join([parts.common, own, *[parts.group(g) for g in world.plan.groups_of(a.placement)]])
 
 
 def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
