@@ -130,7 +130,8 @@ class Proc:
 
     def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None, *,
                  fork: dict | None = None) -> None:
-        """`fork`: {"netns", "hostname"}: forked by the zygote (argv is a tests/worker.py command line)."""
+        """`fork`: {"netns", "hostname"}: forked by the zygote; argv is the command line after the
+        interpreter (tests/worker.py's, or `-m MODULE ...`)."""
         self.name = name
         self.stderr = tempfile.NamedTemporaryFile(prefix=f"commctx-{name}-", suffix=".log", delete=False)
         if fork is not None:

@@ -6,8 +6,8 @@ rendezvous backend or another: `commctx` (a commctx-server) or `c10d` (a TCPStor
 on a free port, hosted by the agent given is_host).
 
 A module of its own, importable without pytest: agent processes start from
-a fork server that has imported it (agent_process), or are spawned where a
-test kills one at once (spawned_agent). The workers are forked from their
+a fork server that has imported it (agent_process); one that a test kills at
+once never starts (doomed_agent). The workers are forked from their
 agent ("fork", where torch's tests spawn them): each spawned worker would
 import torch again, seconds of CPU each, which the suite's 2 cores cannot
 give; a forked worker ends with os._exit and touches no gRPC of its agent's.
@@ -324,10 +324,14 @@ def agent_process(target: Callable, *args, **kwargs) -> mp.BaseProcess:
     return p
 
 
-def spawned_agent(target: Callable, *args, **kwargs) -> mp.BaseProcess:
-    """`target` in a spawned process: for an agent a test kills at once, which
-    then dies before it could join (a forked one might already have joined)."""
-    p = mp.get_context("spawn").Process(target=target, args=args, kwargs=kwargs)
+def doomed_agent() -> mp.BaseProcess:
+    """A node whose agent a test kills at once, before it reaches the rendezvous.
+    torch's tests spawn a real agent and kill it while it still imports torch
+    (seconds), so it never joins; this process is forked and waits to be killed,
+    which is the same to the other agents and to the server, without the import."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    p = ctx.Process(target=time.sleep, args=(3600,))
     p.start()
     return p
 

@@ -416,17 +416,17 @@ def test_double_agent_fault_tolerance(backend):
     nnodes = 2
     wait = 2
     node_conf = Conf(entrypoint=et._dist_sum, args=(wait,), local_world_size=2)
-    agent_results = mp.get_context("spawn").Queue()
+    agent_results = mp.get_context("forkserver").Queue()
     agent_args = {"conf": node_conf, "agent_results": agent_results, "min_nodes": nnodes, "max_nodes": nnodes,
                   "max_restarts": 2}
 
-    procs = [et.spawned_agent(et.run_agent, backend, **agent_args) for _ in range(nnodes)]
+    procs = [et.doomed_agent() if i % 2 else et.agent_process(et.run_agent, backend, **agent_args) for i in range(nnodes)]
 
     # restart odd agents
     for i in range(nnodes):
         if i % 2 != 0:
             procs[i].kill()
-            procs[i] = et.spawned_agent(et.run_agent, backend, **agent_args)
+            procs[i] = et.agent_process(et.run_agent, backend, **agent_args)
 
     for p in joined(procs):
         assert 0 == p.exitcode
@@ -468,11 +468,11 @@ def test_double_agent_elastic(backend):
     max_nodes = 2
     wait = 2
     node_conf = Conf(entrypoint=et._dist_sum, args=(wait,), local_world_size=2)
-    agent_results = mp.get_context("spawn").Queue()
+    agent_results = mp.get_context("forkserver").Queue()
     agent_args = {"conf": node_conf, "agent_results": agent_results, "min_nodes": min_nodes, "max_nodes": max_nodes,
                   "max_restarts": 2}
 
-    procs = [et.spawned_agent(et.run_agent, backend, **agent_args) for _ in range(max_nodes)]
+    procs = [et.doomed_agent() if i % 2 else et.agent_process(et.run_agent, backend, **agent_args) for i in range(max_nodes)]
 
     # kill odd agents
     for i in range(max_nodes):
@@ -896,7 +896,8 @@ def test_launcher_api_without_nproc_per_node_in_rdzv_configs(backend, tmp_path):
 
 
 def torchrun_cli(backend, nnodes: str, nproc: int, name: str, *worker_args: str, conf: dict | None = None):
-    """A real `torchrun` (python -m torch.distributed.run) on loopback, in a session of its own."""
+    """A real `torchrun` (python -m torch.distributed.run) on loopback, in a session of its own
+    (forked by the tests' zygote, which imported torch; it spawns its workers)."""
     from .cluster import Proc
 
     argv = [sys.executable, "-m", "torch.distributed.run", f"--rdzv-backend={backend.name}",
@@ -904,7 +905,7 @@ def torchrun_cli(backend, nnodes: str, nproc: int, name: str, *worker_args: str,
             f"--nproc-per-node={nproc}", "--monitor-interval=0.1", "--max-restarts=3"]
     if conf:
         argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
-    return Proc([*argv, WORKER, *worker_args], name)
+    return Proc([*argv[1:], WORKER, *worker_args], name, fork={"netns": None, "hostname": None})
 
 
 def cli_line(agent, timeout: float = 60.0) -> dict:

@@ -34,8 +34,9 @@ def torchrun(server: str, job: str, nnodes: str, ns: str, hostname: str, *script
     if conf:
         argv.append(f"--rdzv-conf={conf}")
     argv += [TRAIN, *script_args]
-    argv = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
-    return Proc(argv, f"torchrun-{hostname}")
+    # Forked by the zygote (torch imported), as `ip netns exec NS unshare --uts` would start
+    # it; the agent runs torch.distributed.run as `python -m` does, and spawns its workers.
+    return Proc(argv[1:], f"torchrun-{hostname}", fork={"netns": ns, "hostname": hostname})
 
 
 def ready(agent: Proc, count: int, timeout: float = 120.0) -> list[dict]:

@@ -1,9 +1,11 @@
-"""A fork server for tests/worker.py: imports torch once, then forks a worker
-for each request, as torch's DataLoader forks its workers after importing it.
+"""A fork server for tests/worker.py and torchrun agents: imports torch once,
+then forks a process for each request, as torch's DataLoader forks its workers
+after importing it. An argv of "-m MODULE ..." runs MODULE as `python -m` does
+(a torchrun agent: `-m torch.distributed.run ...`); any other is worker.py's.
 
 `import torch` is about 1.9 s of CPU; the end-to-end tests start dozens of
 workers, on two cores. The child of a fork is what `ip netns exec NS unshare
---uts sh -c 'hostname H; exec python worker.py ...'` would have made: its own
+--uts sh -c 'hostname H; exec python ARGV'` would have made: its own
 session, the network namespace NS, a UTS namespace named H, the environment,
 the arguments and the stdin/stdout/stderr the request brings.
 
@@ -23,6 +25,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -31,6 +34,8 @@ import traceback
 
 import torch  # noqa: F401  (the point: imported once, before any fork)
 import torch.distributed  # noqa: F401
+import torch.distributed.elastic.rendezvous.registry  # noqa: F401  (torchrun's handlers, commctx's among them)
+import torch.distributed.launcher.api  # noqa: F401  (torchrun's agent; not torch.distributed.run itself: runpy runs that)
 
 import commctx  # noqa: F401
 import commctx.context  # noqa: F401
@@ -70,8 +75,13 @@ def _child(request: dict, fds: list[int], worker) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        sys.argv = list(request["argv"])
-        worker.main()
+        argv = list(request["argv"])
+        if argv[0] == "-m":  # python -m MODULE ARGS (a torchrun agent): as the interpreter runs it
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            worker.main()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
