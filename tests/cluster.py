@@ -77,6 +77,26 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+def forked_run(argv: Sequence[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run([python, *argv], env=env, capture_output=True, text=True,
+    timeout=timeout), but forked by the zygote: torch is imported already."""
+    with tempfile.TemporaryFile("w+") as err:
+        child = Forked(argv, env, err.fileno(), None, None)
+        child.stdin.close()
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.append(child.stdout.read()), daemon=True)
+        reader.start()
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise
+        reader.join(timeout)
+        child.stdout.close()
+        err.seek(0)
+        return subprocess.CompletedProcess(list(argv), code, "".join(out), err.read())
+
+
 _ZYGOTE: tuple[subprocess.Popen, str] | None = None
 
 

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 
 import grpc
@@ -23,6 +22,7 @@ from commctx.server.rendezvous.sqlite import SqliteStore
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from .cluster import clean_env, forked_run
 from .conftest import eventually, join_request
 from .test_detect import GRACE, TTL, world
 
@@ -144,8 +144,7 @@ def test_a_waiting_worker_says_so_on_stderr_when_nothing_configured_logging(tmp_
     async def run() -> subprocess.CompletedProcess:
         s = await start_server("127.0.0.1", 0)
         try:
-            return await asyncio.to_thread(subprocess.run, [sys.executable, str(script), f"127.0.0.1:{s.port}"],
-                                           capture_output=True, text=True, timeout=60)
+            return await asyncio.to_thread(forked_run, [str(script), f"127.0.0.1:{s.port}"], clean_env(), 60)
         finally:
             await s.stop(0)
 

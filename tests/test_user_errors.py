@@ -26,7 +26,6 @@ import pathlib
 import re
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -502,7 +501,7 @@ def test_commctx_job_still_names_the_job_with_a_warning_naming_commctx_job_id(mo
 def test_the_example_and_compose_use_commctx_job_id_and_the_old_name_still_joins(monkeypatch):
     """The compose worker's variables are the ones the example reads, which are
     the library's; a worker with only the old COMMCTX_JOB still joins its job."""
-    from .cluster import Server, clean_env
+    from .cluster import Server, clean_env, forked_run
 
     compose = (ROOT / "docker-compose.yml").read_text()
     assert 'COMMCTX_JOB_ID: "demo"' in compose and "COMMCTX_JOB:" not in compose
@@ -511,8 +510,8 @@ def test_the_example_and_compose_use_commctx_job_id_and_the_old_name_still_joins
     try:
         env = {k: v for k, v in clean_env().items() if not k.startswith("COMMCTX_")}
         for name, job in (("COMMCTX_JOB_ID", "compose-demo"), ("COMMCTX_JOB", "old-name")):
-            out = subprocess.run([sys.executable, str(ROOT / "examples" / "allreduce.py"), "--server", server.address,
-                                  "--world-size", "1"], env={**env, name: job}, capture_output=True, text=True, timeout=120)
+            out = forked_run([str(ROOT / "examples" / "allreduce.py"), "--server", server.address, "--world-size", "1"],
+                             {**env, name: job}, timeout=120)
             assert out.returncode == 0, out.stderr
             assert "rank 0: all_reduce over GLOBAL [0] = 1 (expected 1)" in out.stdout
             assert f"join job={job} " in server.log()

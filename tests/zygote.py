@@ -1,7 +1,8 @@
 """A fork server for tests/worker.py and torchrun agents: imports torch once,
 then forks a process for each request, as torch's DataLoader forks its workers
-after importing it. An argv of "-m MODULE ..." runs MODULE as `python -m` does
-(a torchrun agent: `-m torch.distributed.run ...`); any other is worker.py's.
+after importing it. The argv is what follows `python`: tests/worker.py's, a
+script's, or "-m MODULE ..." (a torchrun agent: `-m torch.distributed.run ...`),
+each run as the interpreter would run it.
 
 `import torch` is about 1.9 s of CPU; the end-to-end tests start dozens of
 workers, on two cores. The child of a fork is what `ip netns exec NS unshare
@@ -79,9 +80,13 @@ def _child(request: dict, fds: list[int], worker) -> None:
         if argv[0] == "-m":  # python -m MODULE ARGS (a torchrun agent): as the interpreter runs it
             sys.argv = argv[1:]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
+        elif os.path.abspath(argv[0]) == WORKER:
             sys.argv = argv
             worker.main()
+        else:  # python SCRIPT ARGS
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
