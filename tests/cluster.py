@@ -274,7 +274,7 @@ class Hosts:
     def __init__(self, count: int) -> None:
         # One maker at a time on this machine: tests run in parallel (pytest -n) would
         # otherwise pick the same free subnet between reading the routes and using it.
-        with open(os.path.join(tempfile.gettempdir(), "commctx-hosts.lock"), "w") as lock:
+        with open("/tmp/commctx-hosts.lock", "w") as lock:  # not TMPDIR: every run on this machine
             fcntl.flock(lock, fcntl.LOCK_EX)
             self._make(count)
 

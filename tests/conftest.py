@@ -30,13 +30,23 @@ os.environ["COMMCTX_HTTP_PORT"] = "off"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The pytest-xdist controller names a directory and itself for the one
+    """The run's first process gives every process it starts a temporary
+    directory of the run's own (TMPDIR), removed when the run ends: torch's
+    agents leave a log directory and error files behind in each run, about a
+    hundred a run. pytest's own directories stay where they were. The
+    pytest-xdist controller also names a directory and itself for the one
     worker zygote (tests/zygote.py) its workers share (tests/cluster.py)."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        import atexit
-        import shutil
-        import tempfile
+    if hasattr(config, "workerinput"):
+        return
+    import atexit
+    import shutil
+    import tempfile
 
+    tempfile.gettempdir()  # this process's own (pytest's base temp among them) stay in the usual place
+    run_tmp = tempfile.mkdtemp(prefix="commctx-run-")
+    atexit.register(shutil.rmtree, run_tmp, True)
+    os.environ["TMPDIR"] = run_tmp
+    if getattr(config.option, "numprocesses", None):
         where = tempfile.mkdtemp(prefix="commctx-zygote-")
         atexit.register(shutil.rmtree, where, True)
         os.environ["COMMCTX_TEST_ZYGOTE"] = f"{where}:{os.getpid()}"
