@@ -86,6 +86,7 @@ import socket
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
@@ -261,6 +262,9 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._generation = 0
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix=f"commctx-{self._run_id}-")
+        # Removed at shutdown(), or when the agent exits without one (torch's launcher
+        # skips it on SIGTERM; so does a program that drops its handler).
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self.world_file = ""  # this generation's assignments, for the workers (COMMCTX_TORCHRUN_WORLD)
 
     def _spec(self, params: RendezvousParameters) -> pb.JobSpec:
@@ -435,6 +439,6 @@ class CommctxRendezvousHandler(RendezvousHandler):
             self._spare.close()
             self._spare = None
         self._store = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_dir()
         return True
 

@@ -203,6 +203,28 @@ def test_the_handler_through_torchs_registry_restarts_and_closes():
                 h.shutdown()
 
 
+def test_an_agent_s_world_directory_goes_with_it():
+    """The directory a handler writes its workers' world into is removed at
+    shutdown(), and also when the handler goes without one (an agent torch's
+    launcher stops on SIGTERM skips it) or the process exits."""
+    import gc
+
+    from .test_user_errors import commctx_handler
+
+    done = commctx_handler()
+    where = done._dir
+    assert os.path.isdir(where) and os.path.basename(where).startswith("commctx-conf-")
+    done.shutdown()
+    assert not os.path.exists(where)
+
+    dropped = commctx_handler()
+    where, at_exit = dropped._dir, dropped._remove_dir.atexit
+    assert os.path.isdir(where) and at_exit
+    del dropped
+    gc.collect()
+    assert not os.path.exists(where)
+
+
 def written_world(handler) -> pb.JoinResponse:
     """The assignments the handler wrote for its workers (COMMCTX_TORCHRUN_WORLD)."""
     with open(handler.world_file, "rb") as f:
