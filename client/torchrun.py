@@ -81,6 +81,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -261,7 +262,8 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._store: dist.Store | None = None
         self._generation = 0
         self._closed = False
-        self._dir = tempfile.mkdtemp(prefix=f"commctx-{self._run_id}-")
+        # The run id as the server will check it names nothing on disk yet: only its safe characters do.
+        self._dir = tempfile.mkdtemp(prefix=f"commctx-{re.sub(r'[^A-Za-z0-9._-]', '_', self._run_id)[:64]}-")
         # Removed at shutdown(), or when the agent exits without one (torch's launcher
         # skips it on SIGTERM; so does a program that drops its handler).
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, True)

@@ -225,6 +225,24 @@ def test_an_agent_s_world_directory_goes_with_it():
     assert not os.path.exists(where)
 
 
+def test_a_run_id_that_is_no_job_id_is_the_server_s_one_clear_error():
+    """--rdzv-id is the job id: one with a '/' is refused naming it, and
+    names no path on this host meanwhile (the handler's directory keeps to TMPDIR)."""
+    import tempfile
+
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    server = Server("127.0.0.1")
+    with running([server]):
+        (h,) = handlers(server.address, "../up/x", (1, 1), keys=("a",), join_timeout=10)
+        try:
+            assert os.path.dirname(h._dir) == tempfile.gettempdir()
+            with pytest.raises(RendezvousError, match=re.escape("INVALID_ARGUMENT: job_id '../up/x' is malformed: use letters")):
+                h.next_rendezvous()
+        finally:
+            h.shutdown()
+
+
 def written_world(handler) -> pb.JoinResponse:
     """The assignments the handler wrote for its workers (COMMCTX_TORCHRUN_WORLD)."""
     with open(handler.world_file, "rb") as f:
