@@ -262,7 +262,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._store: dist.Store | None = None
         self._generation = 0
         self._closed = False
-        # The run id as the server will check it names nothing on disk yet: only its safe characters do.
+        # Named with the run id's safe characters only: the server checks the id itself, at the Join.
         self._dir = tempfile.mkdtemp(prefix=f"commctx-{re.sub(r'[^A-Za-z0-9._-]', '_', self._run_id)[:64]}-")
         # Removed at shutdown(), or when the agent exits without one (torch's launcher
         # skips it on SIGTERM; so does a program that drops its handler).

@@ -329,11 +329,7 @@ def doomed_agent() -> mp.BaseProcess:
     torch's tests spawn a real agent and kill it while it still imports torch
     (seconds), so it never joins; this process is forked and waits to be killed,
     which is the same to the other agents and to the server, without the import."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    p = ctx.Process(target=time.sleep, args=(3600,))
-    p.start()
-    return p
+    return agent_process(time.sleep, 3600)
 
 
 # -- launcher/api_test.py -------------------------------------------------------------------

@@ -900,12 +900,12 @@ def torchrun_cli(backend, nnodes: str, nproc: int, name: str, *worker_args: str,
     (forked by the tests' zygote, which imported torch; it spawns its workers)."""
     from .cluster import Proc
 
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--rdzv-backend={backend.name}",
+    argv = ["-m", "torch.distributed.run", f"--rdzv-backend={backend.name}",
             f"--rdzv-endpoint={backend.endpoint}", f"--rdzv-id={backend.run_id}", f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc}", "--monitor-interval=0.1", "--max-restarts=3"]
     if conf:
         argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
-    return Proc([*argv[1:], WORKER, *worker_args], name, fork={"netns": None, "hostname": None})
+    return Proc([*argv, WORKER, *worker_args], name, fork={"netns": None, "hostname": None})
 
 
 def cli_line(agent, timeout: float = 60.0) -> dict:

@@ -29,14 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # agents and workers 
 
 def torchrun(server: str, job: str, nnodes: str, ns: str, hostname: str, *script_args: str, conf: str = "") -> Proc:
     """A torchrun agent on `hostname` (a network namespace with its own UTS name) with 2 workers."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=commctx", f"--rdzv-endpoint={server}",
+    argv = ["-m", "torch.distributed.run", "--rdzv-backend=commctx", f"--rdzv-endpoint={server}",
             f"--rdzv-id={job}", f"--nnodes={nnodes}", "--nproc-per-node=2", "--max-restarts=3", "--monitor-interval=0.2"]
     if conf:
         argv.append(f"--rdzv-conf={conf}")
     argv += [TRAIN, *script_args]
     # Forked by the zygote (torch imported), as `ip netns exec NS unshare --uts` would start
     # it; the agent runs torch.distributed.run as `python -m` does, and spawns its workers.
-    return Proc(argv[1:], f"torchrun-{hostname}", fork={"netns": ns, "hostname": hostname})
+    return Proc(argv, f"torchrun-{hostname}", fork={"netns": ns, "hostname": hostname})
 
 
 def ready(agent: Proc, count: int, timeout: float = 120.0) -> list[dict]:

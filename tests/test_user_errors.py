@@ -404,16 +404,11 @@ def test_torchrun_stops_on_a_misspelt_rdzv_conf_key_and_accepts_its_own_keys(tmp
 
     def torchrun(conf: str) -> subprocess.CompletedProcess:
         """`python -m torch.distributed.run ...`, forked by the tests' zygote (torch imported)."""
-        from .cluster import Proc
+        from .cluster import clean_env, forked_run
 
-        argv = ["-m", "torch.distributed.run", "--rdzv-backend=commctx", f"--rdzv-endpoint=127.0.0.1:{closed_port()}",
-                "--rdzv-id=conf", "--nnodes=1", "--nproc-per-node=1", f"--rdzv-conf={conf}", str(script)]
-        agent = Proc(argv, "torchrun", fork={"netns": None, "hostname": None})
-        try:
-            code = agent.popen.wait(120)
-            return subprocess.CompletedProcess(argv, code, "", pathlib.Path(agent.stderr.name).read_text())
-        finally:
-            agent.stop()
+        return forked_run(["-m", "torch.distributed.run", "--rdzv-backend=commctx", f"--rdzv-endpoint=127.0.0.1:{closed_port()}",
+                           "--rdzv-id=conf", "--nnodes=1", "--nproc-per-node=1", f"--rdzv-conf={conf}", str(script)],
+                          clean_env(), timeout=120)
 
     bad = torchrun("join_timout=15")
     assert bad.returncode != 0
