@@ -229,7 +229,8 @@ class Server(Proc):
 
 
 def worker(server: str, job: str, world_size: int, *, node_key: str | None = None, netns: str | None = None,
-           hostname: str | None = None, name: str = "worker", role: str | None = None, spec: dict | None = None) -> Proc:
+           hostname: str | None = None, name: str = "worker", role: str | None = None, spec: dict | None = None,
+           env: dict[str, str] | None = None) -> Proc:
     argv = [sys.executable, WORKER, "--server", server, "--job", job, "--world-size", str(world_size)]
     if node_key:
         argv += ["--node-key", node_key]
@@ -239,7 +240,7 @@ def worker(server: str, job: str, world_size: int, *, node_key: str | None = Non
         argv += ["--spec", json.dumps(spec)]
     # Forked by the zygote, torch imported: as `ip netns exec NETNS unshare --uts` (a host
     # of its own, with its own hostname) would start it, without importing torch again.
-    return Proc(argv[1:], name, fork={"netns": netns, "hostname": hostname})
+    return Proc(argv[1:], name, env, fork={"netns": netns, "hostname": hostname})
 
 
 @contextlib.contextmanager

@@ -37,10 +37,16 @@ def modes(ctx: CommContext) -> list[str]:
     return out
 
 
+def tensor(ctx: CommContext, mode: str, value: float) -> torch.Tensor:
+    """On this rank's GPU for an NCCL group, on the CPU for a gloo one."""
+    on_gpu = dist.get_backend(ctx.get_group(mode)) == "nccl"
+    return torch.tensor([value], device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
+
+
 def reduce_all(ctx: CommContext) -> dict[str, float]:
     sums = {}
     for mode in modes(ctx):
-        x = torch.tensor([float(ctx.get_global_rank() + 1)])
+        x = tensor(ctx, mode, float(ctx.get_global_rank() + 1))
         dist.all_reduce(x, group=ctx.get_group(mode))
         sums[mode] = x.item()
     return sums
@@ -51,7 +57,7 @@ def broadcasts(ctx: CommContext) -> dict[str, float]:
     out = {}
     for g in ctx.assignment.groups:
         if g.root is not None:
-            x = torch.tensor([1000.0 + ctx.get_global_rank()])
+            x = tensor(ctx, g.mode, 1000.0 + ctx.get_global_rank())
             dist.broadcast(x, src=g.root, group=ctx.get_group(g.mode))
             out[g.mode] = x.item()
     return out
@@ -126,8 +132,9 @@ def report(ctx: CommContext, event: str, **extra) -> None:
         intra_is_group=ctx.get_intra_node_process_group() is ctx.get_group("INTRA_NODE"),
         inter_is_group=ctx.get_inter_node_process_group() is ctx.get_group(CommMode.INTER_NODE),
         sums=reduce_all(ctx),
-        env={k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")},
+        env={k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")},
         backend=dist.get_backend(),
+        group_backends={m: dist.get_backend(ctx.get_group(m)) for m in modes(ctx)},
         previous_rank=a.previous_rank,
         changed_groups=list(a.changed_groups),
     )
