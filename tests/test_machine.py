@@ -630,10 +630,14 @@ def test_rank_0s_spare_is_given_once(rdzv):
     a, actions = join(rdzv, params(spec, "n0", port=1111))
     assert worlds(actions)[0].plan.master_port == 1111
     sink = Sink("a")
-    rdzv.open_session("job", a, 1, sink, spare_port=0)  # it has not offered a new spare yet
+    # Its session opens offering the port its Join offered, which now serves the store
+    # (the client offers its new spare a moment later): not a spare.
+    rdzv.open_session("job", a, 1, sink, spare_port=1111)
     _, actions = join(rdzv, params(spec, "n1", port=2222))
     assert not worlds(actions)  # rank 0 would be a again, whose port serves the old store
     assert pushed(actions, sink) == [Reforming(1, "1 worker waiting to join can grow the world")]
+    _, actions = rdzv.renew("job", a, 1, spare_port=1111)  # a renewal sent before the new spare was offered
+    assert not worlds(actions)
     _, actions = rdzv.renew("job", a, 0, spare_port=3333)  # an old generation's message: its port does not count
     assert not worlds(actions)
     _, actions = rdzv.renew("job", a, 1, spare_port=3333)

@@ -38,6 +38,14 @@ log = logging.getLogger("commctx.server")
 _SAID = {DISCONNECTED: "disconnected: session closed without leave"}
 
 
+def serves_store(job: Job, member_id: str, port: int) -> bool:
+    """Whether `port` is the one `member_id` serves its world's TCPStore on (its
+    spare, spent when it became rank 0): offered again (a session opening with
+    the port its Join offered, a renewal sent before its new spare), it is no spare."""
+    plan = job.plan
+    return plan is not None and plan.master_port == port and plan.seating.nodes[0].members[0] == member_id
+
+
 class Leases:
     """Sessions, renewals, restarts, leaving, and expiry; removing a member and what its loss does."""
 
@@ -150,7 +158,7 @@ class Leases:
             member.lease, member.lease_deadline = Lease.RENEWING, self._clock() + self.lease_ttl_s
             self._queue(job_id, member_id, member, member.lease_deadline)
         # IN_JOIN: bound to its Join call; DETACHED with an older generation: a stale process, the grace runs on
-        if spare_port and generation == job.generation and spare_port != member.port:
+        if spare_port and generation == job.generation and spare_port != member.port and not serves_store(job, member_id, spare_port):
             member.port = spare_port
             job.version += 1
             actions.writes.append(PutMember(job_id, member_record(member_id, member)))
