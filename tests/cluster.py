@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 WORKER = str(pathlib.Path(__file__).with_name("worker.py"))
+PYTHON_EXEC = str(pathlib.Path(__file__).with_name("python_exec.py"))
 # Variables a launcher or an earlier test could have left; workers start clean.
 _SCRUB = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -95,6 +96,13 @@ def forked_run(argv: Sequence[str], env: dict[str, str], timeout: float) -> subp
         child.stdout.close()
         err.seek(0)
         return subprocess.CompletedProcess(list(argv), code, "".join(out), err.read())
+
+
+def forked_workers() -> dict[str, str]:
+    """The environment of a torchrun agent whose workers the zygote forks
+    (tests/python_exec.py as torchrun's PYTHON_EXEC) rather than each starting
+    a fresh interpreter; the README's torchrun still starts them afresh."""
+    return {"PYTHON_EXEC": PYTHON_EXEC, "COMMCTX_TEST_ZYGOTE_SOCKET": _zygote()}
 
 
 _ZYGOTE: tuple[subprocess.Popen, str] | None = None

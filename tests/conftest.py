@@ -53,9 +53,34 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first (stable otherwise): pytest-xdist's load scheduling then
-    starts one on every worker at once, and the short tests fill in around them."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest tests first, spread over the pytest-xdist workers.
+
+    worksteal gives worker k the k-th of n contiguous slices of this list (an
+    idle worker later takes half of a busy one's queue, from its end). Slow
+    tests (marked `slow`, or `slow(S)`: about S seconds here, default 10) are
+    dealt out longest first, each to the slice with the fewest seconds so far,
+    and head their slices: every worker starts on long tests at once and the
+    short ones fill in. Sorted slow-first in one piece, one worker would start
+    them all, one after another, and the longest would end the run late."""
+    def seconds(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("slow")
+        return 0.0 if mark is None else float(mark.args[0]) if mark.args else 10.0
+
+    n = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    sizes, left = [], len(items)
+    for k in range(n):  # as worksteal cuts the list: len(pending) // nodes_remaining
+        sizes.append(left // (n - k))
+        left -= sizes[-1]
+    slices: list[list[pytest.Item]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for item in sorted((i for i in items if seconds(i)), key=lambda i: -seconds(i)):  # stable
+        k = min((k for k in range(n) if len(slices[k]) < sizes[k]), key=lambda k: load[k])
+        slices[k].append(item)
+        load[k] += seconds(item)
+    fast = iter([i for i in items if not seconds(i)])
+    for k in range(n):
+        slices[k] += [next(fast) for _ in range(sizes[k] - len(slices[k]))]
+    items[:] = [item for s in slices for item in s]
 
 
 @pytest.fixture(autouse=True)

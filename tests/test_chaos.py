@@ -40,7 +40,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from .etcd import Replicas, etcd_binary
 
 DURATION_S = float(os.environ.get("COMMCTX_CHAOS_S", "20"))
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(DURATION_S * 3 + 180), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")]
+pytestmark = [pytest.mark.slow(32), pytest.mark.timeout(DURATION_S * 3 + 180), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")]
 WORKERS, PER_JOB, KILL_EVERY_S, LEASE_TTL_S, STORM_S = 500, 4, 3.0, 6.0, 20 / 6
 
 

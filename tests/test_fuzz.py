@@ -845,7 +845,7 @@ async def fuzz(channel: grpc.aio.Channel, fuzzer: Fuzzer, tally: Tally, calls: i
 
 
 @pytest.mark.timeout(FUZZ_TIMEOUT_S + 60)
-@pytest.mark.slow
+@pytest.mark.slow(40)
 async def test_fuzzed_requests_get_deliberate_answers_and_leave_a_healthy_job_undisturbed(caplog):
     server = await start_server("127.0.0.1", 0, lease_ttl_s=LEASE_TTL_S, limits=Limits(max_join_wait_s=MAX_JOIN_WAIT_S))
     healthy: HealthyJob | None = None

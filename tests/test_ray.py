@@ -31,7 +31,7 @@ def descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(38)
 def test_trainers_and_rollouts_as_ray_actors():
     before = descendants()
     server = Server("127.0.0.1")

@@ -246,7 +246,7 @@ CHECKS = {pathlib.Path("README.md"): check_readme_walkthrough}
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("path", [p for p in FILES if shell_script(p)], ids=str)
-@pytest.mark.slow
+@pytest.mark.slow(14)
 def test_a_files_shell_blocks_run_as_one_script(path, tmp_path):
     why = netns_available()
     if why:

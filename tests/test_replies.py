@@ -79,7 +79,7 @@ async def test_a_page_of_long_node_keys_is_cut_to_a_mebibyte(server, stub):
     assert len(sizes) == 2 and max(sizes) <= 1 << 20 and ranks == list(range(5000))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(23)
 async def test_status_reads_a_job_of_100k_members(server, stub):
     started = time.monotonic()
     fill(server, "huge", BIG)

@@ -897,15 +897,15 @@ def test_launcher_api_without_nproc_per_node_in_rdzv_configs(backend, tmp_path):
 
 def torchrun_cli(backend, nnodes: str, nproc: int, name: str, *worker_args: str, conf: dict | None = None):
     """A real `torchrun` (python -m torch.distributed.run) on loopback, in a session of its own
-    (forked by the tests' zygote, which imported torch; it spawns its workers)."""
-    from .cluster import Proc
+    (forked by the tests' zygote, which imported torch; so are the workers it starts)."""
+    from .cluster import Proc, forked_workers
 
     argv = ["-m", "torch.distributed.run", f"--rdzv-backend={backend.name}",
             f"--rdzv-endpoint={backend.endpoint}", f"--rdzv-id={backend.run_id}", f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc}", "--monitor-interval=0.1", "--max-restarts=3"]
     if conf:
         argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
-    return Proc([*argv, WORKER, *worker_args], name, fork={"netns": None, "hostname": None})
+    return Proc([*argv, WORKER, *worker_args], name, forked_workers(), fork={"netns": None, "hostname": None})
 
 
 def cli_line(agent, timeout: float = 60.0) -> dict:

@@ -18,7 +18,7 @@ import pytest
 
 from commctx.v1 import rendezvous_pb2 as pb
 
-from .cluster import WORKER, Proc, Server, running
+from .cluster import WORKER, Proc, Server, forked_workers, running
 from .test_operate import wait_until
 
 TRAIN = os.path.join(os.path.dirname(WORKER), "torchrun_train.py")
@@ -35,8 +35,9 @@ def torchrun(server: str, job: str, nnodes: str, ns: str, hostname: str, *script
         argv.append(f"--rdzv-conf={conf}")
     argv += [TRAIN, *script_args]
     # Forked by the zygote (torch imported), as `ip netns exec NS unshare --uts` would start
-    # it; the agent runs torch.distributed.run as `python -m` does, and spawns its workers.
-    return Proc(argv, f"torchrun-{hostname}", fork={"netns": ns, "hostname": hostname})
+    # it; the agent runs torch.distributed.run as `python -m` does, and starts its workers
+    # as processes of their own, which the zygote forks too (cluster.forked_workers).
+    return Proc(argv, f"torchrun-{hostname}", forked_workers(), fork={"netns": ns, "hostname": hostname})
 
 
 def ready(agent: Proc, count: int, timeout: float = 120.0) -> list[dict]:

@@ -12,12 +12,14 @@ the arguments and the stdin/stdout/stderr the request brings.
 
 Protocol, on the Unix socket given as argv[1]: a client sends one JSON line
 {"argv", "env", "cwd", "netns", "hostname"} with three file descriptors (stdin,
-stdout, stderr), and reads {"pid": N} then, when the worker ends,
-{"exit": Popen-style returncode}; a connection that sends nothing is ignored
-(a liveness check). The server ends, killing its workers, when its stdin
-closes (the test process that started it is gone), or, given a pid as
-argv[2], when that process ends (the pytest-xdist controller: one zygote
-serves every worker of the run).
+stdout, stderr), and optionally two more, network and UTS namespaces to enter
+(tests/python_exec.py sends its own); it reads {"pid": N} then, when the
+worker ends, {"exit": Popen-style returncode}. A client that closes its
+connection first takes its worker with it (SIGKILL); a connection that sends
+nothing is ignored (a liveness check). The server ends, killing its workers,
+when its stdin closes (the test process that started it is gone), or, given
+a pid as argv[2], when that process ends (the pytest-xdist controller: one
+zygote serves every worker of the run).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def _child(request: dict, fds: list[int], worker) -> None:
         signal.set_wakeup_fd(-1)
         os.setsid()
         libc = ctypes.CDLL(None, use_errno=True)
+        for fd, kind, flag in zip(fds[3:], ("net", "uts"), (CLONE_NEWNET, CLONE_NEWUTS)):
+            if os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino and libc.setns(fd, flag) != 0:
+                raise OSError(ctypes.get_errno(), f"setns {kind}")
         if request.get("netns"):
             ns = os.open(f"/run/netns/{request['netns']}", os.O_RDONLY)
             if libc.setns(ns, CLONE_NEWNET) != 0:
@@ -70,13 +75,17 @@ def _child(request: dict, fds: list[int], worker) -> None:
             if libc.unshare(CLONE_NEWUTS) != 0:
                 raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
             socket.sethostname(request["hostname"])
-        for target, fd in enumerate(fds):
+        for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
         os.closerange(3, 65536)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         argv = list(request["argv"])
+        if argv[0] == "-u":  # python -u (torchrun starts its workers so): output unbuffered
+            argv.pop(0)
+            for stream in (sys.stdout, sys.stderr):
+                stream.reconfigure(line_buffering=True, write_through=True)
         if argv[0] == "-m":  # python -m MODULE ARGS (a torchrun agent): as the interpreter runs it
             sys.argv = argv[1:]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -137,14 +146,23 @@ def main() -> None:
                         break
                     conn = children.pop(pid, None)
                     if conn is not None:
+                        if conn in selector.get_map():
+                            selector.unregister(conn)
                         try:
                             conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
                         except OSError:
                             pass
                         conn.close()
                 continue
+            if key.data != "accept":  # a client closed its connection before its worker ended
+                selector.unregister(key.fileobj)
+                try:
+                    os.killpg(key.data, signal.SIGKILL)
+                except OSError:
+                    pass
+                continue
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 5)
             if not message:  # a client checking that this zygote is up
                 conn.close()
                 continue
@@ -158,6 +176,7 @@ def main() -> None:
                 os.close(fd)
             children[pid] = conn
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            selector.register(conn, selectors.EVENT_READ, pid)  # readable only at its end: clients send nothing more
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""The interpreter torchrun starts the tests' workers with (PYTHON_EXEC): each
+worker is forked by the test zygote (tests/zygote.py), torch already imported,
+instead of a fresh interpreter importing it again, seconds of CPU each.
+
+It runs as `PYTHON_EXEC -u SCRIPT ARGS` under the agent, hands the zygote its
+arguments, environment, directory, stdin/stdout/stderr and its network and
+UTS namespaces (the agent's host), passes the signals the agent sends it
+(torch stops a worker with killpg) on to the worker, and exits as the worker
+did. If it is killed outright, the zygote sees its connection close and kills
+the worker. Only the standard library: it starts in milliseconds.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+
+def main() -> None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(os.environ["COMMCTX_TEST_ZYGOTE_SOCKET"])
+    namespaces = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("net", "uts")]
+    request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "netns": None, "hostname": None}
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, *namespaces])
+    replies = conn.makefile("r")
+    pid = json.loads(replies.readline())["pid"]
+
+    def forward(sig: int, _frame) -> None:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    line = replies.readline()
+    code = json.loads(line)["exit"] if line else -signal.SIGKILL  # no line: the zygote is gone, and so is the worker
+    if code < 0:  # ended by a signal: so does this process, as the agent expects of its worker
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
