@@ -15,6 +15,7 @@ give; a forked worker ends with os._exit and touches no gRPC of its agent's.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -40,6 +41,13 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 import commctx.torchrun  # noqa: F401  (registers the backend, as its entry point does)
 
 START_METHOD = "fork"  # torch's tests: "spawn" (see the module docstring)
+# A forked worker must not collect its parent's objects: the garbage collector
+# once freed a gRPC object the child inherited from an agent running in the test
+# process, whose threads the fork left behind ("Other threads are currently
+# calling into gRPC, skipping fork() handlers"), and gRPC aborted the worker
+# while it wrote its error file (an empty error.json: torch's agent then failed
+# on it). Frozen, they are never collected in the child.
+os.register_at_fork(after_in_child=gc.freeze)
 MONITOR_INTERVAL = 0.1  # torch's agent tests: 0.01, a store round trip every 10 ms per c10d agent
 
 
