@@ -158,7 +158,8 @@ class Leases:
             member.lease, member.lease_deadline = Lease.RENEWING, self._clock() + self.lease_ttl_s
             self._queue(job_id, member_id, member, member.lease_deadline)
         # IN_JOIN: bound to its Join call; DETACHED with an older generation: a stale process, the grace runs on
-        if spare_port and generation == job.generation and spare_port != member.port and not serves_store(job, member_id, spare_port):
+        if (spare_port and generation == job.generation and spare_port != member.port
+                and not serves_store(job, member_id, spare_port)):
             member.port = spare_port
             job.version += 1
             actions.writes.append(PutMember(job_id, member_record(member_id, member)))
