@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""The interpreter torchrun starts the tests' workers with (PYTHON_EXEC): each
-worker is forked by the test zygote (tests/zygote.py), torch already imported,
-instead of a fresh interpreter importing it again, seconds of CPU each.
+"""The interpreter torchrun starts the tests' workers with (PYTHON_EXEC), and
+the `python` the documentation's shell examples find first on their PATH in
+tests/test_readme.py: each program is forked by the test zygote
+(tests/zygote.py), torch already imported, instead of a fresh interpreter
+importing it again, seconds of CPU each.
 
-It runs as `PYTHON_EXEC -u SCRIPT ARGS` under the agent, hands the zygote its
+It runs as `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE ARGS`; any other
+command line (no zygote named, `-c`, other options, a script that is no file)
+is handed to the real interpreter as it is. It hands the zygote its
 arguments, environment, directory, stdin/stdout/stderr and its network and
 UTS namespaces (the agent's host), passes the signals the agent sends it
 (torch stops a worker with killpg) on to the worker, and exits as the worker
@@ -18,7 +22,15 @@ import socket
 import sys
 
 
+def forkable(argv: list[str]) -> bool:
+    """Whether the zygote runs this command line as the interpreter would."""
+    rest = argv[1:] if argv[:1] == ["-u"] else argv
+    return bool(rest) and ((rest[0] == "-m" and len(rest) > 1) or (not rest[0].startswith("-") and os.path.isfile(rest[0])))
+
+
 def main() -> None:
+    if "COMMCTX_TEST_ZYGOTE_SOCKET" not in os.environ or not forkable(sys.argv[1:]):
+        os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(os.environ["COMMCTX_TEST_ZYGOTE_SOCKET"])
     namespaces = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("net", "uts")]

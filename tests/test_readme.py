@@ -17,7 +17,11 @@ Conventions, in every one of those Markdown files:
   documented default ports, 50051 and 50080, are free, and nothing else is
   reached), in a directory holding the file's saved programs and links to the
   repository's examples/ and deploy/, with this environment's bin first on
-  PATH. It must exit 0 within its deadline; whatever it left running is
+  PATH. Its `python SCRIPT` (and torchrun's workers) are forked by the tests'
+  zygote, torch imported already (tests/python_exec.py: the same program, run
+  as the interpreter runs it, without seconds of `import torch` each); the
+  torchrun agent and the ```python blocks above are fresh interpreters. It
+  must exit 0 within its deadline; whatever it left running is
   killed. This needs root (`ip netns`), as the two-host tests do; a script
   that uses a tool this machine lacks (curl, openssl, kubectl) is skipped,
   naming it.
@@ -40,7 +44,7 @@ import sys
 
 import pytest
 
-from .cluster import Server, clean_env, netns_available
+from .cluster import PYTHON_EXEC, Server, clean_env, forked_workers, netns_available
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = sorted(p.relative_to(ROOT) for p in (ROOT / "docs").rglob("*.md"))
@@ -214,8 +218,13 @@ def run_in_namespace(script: str, cwd: pathlib.Path, timeout: float) -> subproce
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, capture_output=True)
         # Files, not pipes: a server the script left running must not hold its output open.
         with open(cwd / ".stdout", "w+") as out, open(cwd / ".stderr", "w+") as err:
+            shims = cwd / ".forked"  # `python` there is tests/python_exec.py (see the module docstring)
+            shims.mkdir()
+            (shims / "python").symlink_to(PYTHON_EXEC)
+            env = example_env(**forked_workers())
+            env["PATH"] = os.pathsep.join([str(shims), env["PATH"]])
             proc = subprocess.Popen(["ip", "netns", "exec", ns, "bash", "-c", "set -euo pipefail\n" + script], cwd=cwd,
-                                    env=example_env(), text=True, stdout=out, stderr=err, start_new_session=True)
+                                    env=env, text=True, stdout=out, stderr=err, start_new_session=True)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
