@@ -19,7 +19,7 @@ import pytest
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .cluster import Server
+from .cluster import PYTHON_EXEC, Server, forked_workers
 
 # A guard only (the test extra installs commctx[ray]); found, not imported: every xdist worker imports this module.
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="no ray")]
@@ -27,12 +27,22 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(importlib.util.find_s
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "ray_rl.py"
 
 
+def forked_actors() -> dict[str, str]:
+    """The driver's environment in which Ray starts its worker processes as a job
+    submitted with `--runtime-env-json '{"py_executable": ...}'` would have them
+    started: through tests/python_exec.py, forked by the tests' zygote, torch
+    imported already, instead of six fresh interpreters importing it."""
+    job = {"runtime_env": {"py_executable": PYTHON_EXEC}}
+    return {**forked_workers(), "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job)}
+
+
 def descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.mark.slow(38)
+@pytest.mark.slow(16)
 def test_trainers_and_rollouts_as_ray_actors():
+    env = {**os.environ, **forked_actors(), "RAY_DISABLE_USAGE_STATS": "1"}  # the zygote up first: it is no process of Ray's
     before = descendants()
     server = Server("127.0.0.1")
     try:
@@ -40,7 +50,7 @@ def test_trainers_and_rollouts_as_ray_actors():
         # processes from a clean one, not from this one's gRPC threads.
         driver = subprocess.run([sys.executable, str(EXAMPLE), "--server", server.address, "--job", "ray-rl",
                                  "--timeout", "90", "--json"], capture_output=True, text=True, timeout=170,
-                                env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1"})
+                                env=env)
         assert driver.returncode == 0, driver.stderr[-4000:]
         reports = json.loads(driver.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,6 @@
-"""A fork server for tests/worker.py and torchrun agents: imports torch once,
+"""A fork server for tests/worker.py, torchrun agents and the programs
+tests/python_exec.py stands in for (torchrun's and Ray's workers, the
+documentation's `python SCRIPT`): imports torch once,
 then forks a process for each request, as torch's DataLoader forks its workers
 after importing it. The argv is what follows `python`: tests/worker.py's, a
 script's, or "-m MODULE ..." (a torchrun agent: `-m torch.distributed.run ...`),
