@@ -21,7 +21,6 @@ transport.Endpoints); `health` probes each address given, as given.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import signal
@@ -508,8 +507,21 @@ def _status(args: argparse.Namespace, stop: _Stop | None) -> int:
         endpoints.close()
 
 
+class _Version(argparse.Action):
+    """--version, looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> None:
+        print(version())  # on stdout, as argparse's own "version" action prints it
+        parser.exit()
+
+
 def version() -> str:
     """'commctx <version>' of the installed distribution."""
+    import importlib.metadata  # only for --version: its lookup is a tenth of the CLI's start-up
+
     try:
         return f"commctx {importlib.metadata.version('commctx')}"
     except importlib.metadata.PackageNotFoundError:
@@ -578,7 +590,7 @@ def run_events(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commctx", description="commctx command-line tools")
-    parser.add_argument("--version", action="version", version=version())
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(required=True, metavar="command")
     add_plan_parser(sub)
     add_health_parser(sub)
