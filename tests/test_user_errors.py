@@ -44,6 +44,7 @@ def unreachable_warnings(caplog) -> list[logging.LogRecord]:
 # -- a server that cannot be reached ----------------------------------------------------------
 
 
+@pytest.mark.slow(8)  # waits for the warning: early, beside tests that keep the CPU busy, not last
 def test_a_join_that_cannot_reach_the_server_warns_after_5_s_and_then_fails_unavailable(caplog):
     """Real timing, public API: the join gives up after its 8 s timeout; at
     about 5 s it has said where it is trying, why it fails and for how long it
