@@ -25,18 +25,23 @@ BIG = 100_000
 
 def fill(server, job_id: str, members: int, key: str = "host{}") -> None:
     """`members` workers, one per node, joined as a Join would (without waiting in one).
-    Automatic collection is off meanwhile, as the server's GC pacer keeps it under
-    load (a loop without an await gives the pacer no turn): each full collection
-    would scan every object of this test process, about 2 s over 100,000 joins."""
+    Automatic collection is off from here to the end of the test (`_collecting`), as
+    the server's GC pacer keeps it under load (a loop without an await gives the
+    pacer no turn, and this test runs no pacer): each full collection would scan
+    every object of this test process, seconds over 100,000 joins and what reads them."""
     spec = JobSpec.build(world_size=members)
     gc.disable()
-    try:
-        for i in range(members):
-            _, actions, _ = server.machine.join(JoinParams.build(
-                job_id=job_id, spec=spec, node_key=key.format(i), address=f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", port=29500))
-            server.executor.submit(actions)
-    finally:
-        gc.enable()
+    for i in range(members):
+        _, actions, _ = server.machine.join(JoinParams.build(
+            job_id=job_id, spec=spec, node_key=key.format(i), address=f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", port=29500))
+        server.executor.submit(actions)
+
+
+@pytest.fixture(autouse=True)
+def _collecting():
+    """Automatic collection is back on after each test (fill() turns it off)."""
+    yield
+    gc.enable()
 
 
 async def test_describe_job_pages_nodes_in_node_rank_order(server, stub):
