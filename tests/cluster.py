@@ -99,9 +99,9 @@ def forked_run(argv: Sequence[str], env: dict[str, str], timeout: float) -> subp
 
 
 def forked_workers() -> dict[str, str]:
-    """The environment of a torchrun agent whose workers the zygote forks
-    (tests/python_exec.py as torchrun's PYTHON_EXEC) rather than each starting
-    a fresh interpreter; the README's torchrun still starts them afresh."""
+    """The environment of a torchrun agent (or Ray, or a documentation example)
+    whose workers the zygote forks (tests/python_exec.py as torchrun's
+    PYTHON_EXEC) rather than each starting a fresh interpreter."""
     return {"PYTHON_EXEC": PYTHON_EXEC, "COMMCTX_TEST_ZYGOTE_SOCKET": _zygote()}
 
 

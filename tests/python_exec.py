@@ -9,7 +9,7 @@ It runs as `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE ARGS`; any other
 command line (no zygote named, `-c`, other options, a script that is no file)
 is handed to the real interpreter as it is. It hands the zygote its
 arguments, environment, directory, stdin/stdout/stderr and its network and
-UTS namespaces (the agent's host), passes the signals the agent sends it
+UTS namespaces (its caller's host), passes the signals its caller sends it
 (torch stops a worker with killpg) on to the worker, and exits as the worker
 did. If it is killed outright, the zygote sees its connection close and kills
 the worker. Only the standard library: it starts in milliseconds.
