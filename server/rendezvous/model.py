@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from commctx.common.planning import Candidate, JobSpec, Placement, WorldPlan
+from commctx.common.planning import Candidate, JobSpec, Placement, PlannedGroup, WorldPlan
 
 from .params import JoinParams
 
@@ -124,14 +124,17 @@ class NewWorld:
         if p is None:
             return None
         before = self.previous.placement(member_id) if self.previous is not None else None
-        groups = self.plan.groups_of(p)
-        if before is None:
-            changed = tuple(g.mode for g in groups)
-        else:
-            # RankSets are canonical: equal runs mean equal members, with no list expanded.
-            old = {g.mode: g.ranks for g in self.previous.groups_of(before)}
-            changed = tuple(g.mode for g in groups if old.get(g.mode) != g.ranks)
+        changed = self.changed_groups(self.plan.groups_of(p), before)
         return Seat(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason)
+
+    def changed_groups(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> tuple[str, ...]:
+        """The modes of `groups` (a worker's in this world) whose members differ
+        from those of its groups at `before`, its place in the previous world."""
+        if before is None:
+            return tuple(g.mode for g in groups)
+        # RankSets are canonical: equal runs mean equal members, with no list expanded.
+        old = {g.mode: g.ranks for g in self.previous.groups_of(before)}
+        return tuple(g.mode for g in groups if old.get(g.mode) != g.ranks)
 
 
 class Reforming(NamedTuple):

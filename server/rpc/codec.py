@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from commctx.common.planning import JobSpec, PlannedGroup, WorldPlan, elide
+from commctx.common.planning import JobSpec, Placement, PlannedGroup, WorldPlan, elide
 from commctx.v1 import rendezvous_pb2 as pb
 
 from ..errors import (
@@ -254,23 +254,51 @@ def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
 
 
 class _WorldParts:
-    """What every member's assignment in one world shares, serialized once: the
-    fields common to all, and each group (members of a node, say, share one)."""
+    """What the assignments of one world's members share, serialized once: the
+    fields common to all, each node's, each set of changed groups, and each
+    group (members of a node, say, share one)."""
 
-    __slots__ = ("world", "common", "groups")
+    __slots__ = ("world", "common", "groups", "nodes", "changes")
 
     def __init__(self, world: NewWorld) -> None:
-        self.world = world  # held, so that the id keying the cache is not reused meanwhile
-        self.common = pb.SessionEvent(
-            assignment=_shared_fields(world.job_id, world.generation, world.plan, world.reason)).SerializeToString()
-        self.groups: dict[int, bytes] = {}
+        self.world = world  # held, so that the ids keying the caches are not reused meanwhile
+        self.common = _shared_fields(world.job_id, world.generation, world.plan, world.reason).SerializeToString()
+        self.groups: dict[int, bytes] = {}  # by id(PlannedGroup): the plans hold their groups
+        self.nodes: dict[int, bytes] = {}  # by node rank: node_rank, local_world_size
+        self.changes: dict[tuple[str, ...], bytes] = {}  # changed_groups
 
     def group(self, group: PlannedGroup) -> bytes:
-        b = self.groups.get(id(group))  # the plan holds its groups: ids are stable while it lives
+        b = self.groups.get(id(group))
         if b is None:
-            b = self.groups[id(group)] = pb.SessionEvent(
-                assignment=pb.Assignment(groups=[_group_message(group)])).SerializeToString()
+            b = self.groups[id(group)] = pb.Assignment(groups=[_group_message(group)]).SerializeToString()
         return b
+
+    def node(self, node_rank: int) -> bytes:
+        b = self.nodes.get(node_rank)
+        if b is None:
+            size = self.world.plan.nodes[node_rank].size
+            b = self.nodes[node_rank] = pb.Assignment(node_rank=node_rank, local_world_size=size).SerializeToString()
+        return b
+
+    def changed(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> bytes:
+        modes = self.world.changed_groups(groups, before)
+        b = self.changes.get(modes)
+        if b is None:
+            b = self.changes[modes] = pb.Assignment(changed_groups=modes).SerializeToString()
+        return b
+
+
+# SessionEvent.assignment's key on the wire: field number, wire type 2 (length-delimited).
+_ASSIGNMENT_KEY = bytes([pb.SessionEvent.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 # By id(NewWorld): the few worlds being delivered now. Each entry holds its world's
@@ -291,16 +319,25 @@ def _world_parts(world: NewWorld) -> _WorldParts:
 def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     """The SessionEvent carrying `member_id`'s assignment in `world`, as bytes.
     A whole world's survivors get theirs at once (10,000 at a re-form), so what
-    they share is serialized once and joined to each member's own fields: a
-    message field that occurs more than once on the wire is merged, and
-    repeated fields keep their order, so the bytes parse to exactly the
-    message fill_assignment builds (a test holds them equal)."""
-    a = world.assignment_for(member_id)
-    if a is None:
+    they share is serialized once and joined to each member's own fields:
+    serialized messages concatenated parse as one message with their fields
+    merged, and repeated fields keep their order, so the bytes parse to exactly
+    the message fill_assignment builds (a test holds them equal)."""
+    plan, previous = world.plan, world.previous
+    p = plan.placement(member_id)
+    if p is None:
         return None
     parts = _world_parts(world)
-    own = pb.SessionEvent(assignment=_own_fields(a)).SerializeToString()
-    return b"".join([parts.common, own, *[parts.group(g) for g in world.plan.groups_of(a.placement)]])
+    before = previous.placement(member_id) if previous is not None else None
+    own = pb.Assignment(rank=p.rank, local_rank=p.local_rank)
+    if before is not None:
+        own.previous_rank = before.rank
+    if plan.roles:
+        own.role = plan.roles[p.rank]
+    groups = plan.groups_of(p)
+    assignment = b"".join([parts.common, parts.node(p.node_rank), parts.changed(groups, before), own.SerializeToString(),
+                           *[parts.group(g) for g in groups]])
+    return _ASSIGNMENT_KEY + _varint(len(assignment)) + assignment
 
 
 def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
