@@ -276,8 +276,8 @@ class _WorldParts:
     def node(self, node_rank: int) -> bytes:
         b = self.nodes.get(node_rank)
         if b is None:
-            size = self.world.plan.nodes[node_rank].size
-            b = self.nodes[node_rank] = pb.Assignment(node_rank=node_rank, local_world_size=size).SerializeToString()
+            b = self.nodes[node_rank] = pb.Assignment(
+                node_rank=node_rank, local_world_size=self.world.plan.nodes[node_rank].size).SerializeToString()
         return b
 
     def changed(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> bytes:
@@ -329,11 +329,8 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
         return None
     parts = _world_parts(world)
     before = previous.placement(member_id) if previous is not None else None
-    own = pb.Assignment(rank=p.rank, local_rank=p.local_rank)
-    if before is not None:
-        own.previous_rank = before.rank
-    if plan.roles:
-        own.role = plan.roles[p.rank]
+    own = pb.Assignment(rank=p.rank, local_rank=p.local_rank, previous_rank=before.rank if before else None,
+                        role=plan.roles[p.rank] if plan.roles else "")
     groups = plan.groups_of(p)
     assignment = b"".join([parts.common, parts.node(p.node_rank), parts.changed(groups, before), own.SerializeToString(),
                            *[parts.group(g) for g in groups]])
