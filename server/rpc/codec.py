@@ -262,7 +262,7 @@ class _WorldParts:
 
     def __init__(self, world: NewWorld) -> None:
         self.world = world  # held, so that the ids keying the caches are not reused meanwhile
-        self.common = _shared_fields(world.job_id, world.generation, world.plan, world.reason).SerializeToString()
+        self.common = _event_bytes(_shared_fields(world.job_id, world.generation, world.plan, world.reason))
         self.groups: dict[int, bytes] = {}  # by id(PlannedGroup): the plans hold their groups
         self.nodes: dict[int, bytes] = {}  # by node rank: node_rank, local_world_size
         self.changes: dict[tuple[str, ...], bytes] = {}  # changed_groups
@@ -270,35 +270,26 @@ class _WorldParts:
     def group(self, group: PlannedGroup) -> bytes:
         b = self.groups.get(id(group))
         if b is None:
-            b = self.groups[id(group)] = pb.Assignment(groups=[_group_message(group)]).SerializeToString()
+            b = self.groups[id(group)] = _event_bytes(pb.Assignment(groups=[_group_message(group)]))
         return b
 
     def node(self, node_rank: int) -> bytes:
         b = self.nodes.get(node_rank)
         if b is None:
-            b = self.nodes[node_rank] = pb.Assignment(
-                node_rank=node_rank, local_world_size=self.world.plan.nodes[node_rank].size).SerializeToString()
+            b = self.nodes[node_rank] = _event_bytes(pb.Assignment(
+                node_rank=node_rank, local_world_size=self.world.plan.nodes[node_rank].size))
         return b
 
     def changed(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> bytes:
         modes = self.world.changed_groups(groups, before)
         b = self.changes.get(modes)
         if b is None:
-            b = self.changes[modes] = pb.Assignment(changed_groups=modes).SerializeToString()
+            b = self.changes[modes] = _event_bytes(pb.Assignment(changed_groups=modes))
         return b
 
 
-# SessionEvent.assignment's key on the wire: field number, wire type 2 (length-delimited).
-_ASSIGNMENT_KEY = bytes([pb.SessionEvent.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2])
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+def _event_bytes(assignment: pb.Assignment) -> bytes:
+    return pb.SessionEvent(assignment=assignment).SerializeToString()
 
 
 # By id(NewWorld): the few worlds being delivered now. Each entry holds its world's
@@ -319,10 +310,10 @@ def _world_parts(world: NewWorld) -> _WorldParts:
 def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     """The SessionEvent carrying `member_id`'s assignment in `world`, as bytes.
     A whole world's survivors get theirs at once (10,000 at a re-form), so what
-    they share is serialized once and joined to each member's own fields:
-    serialized messages concatenated parse as one message with their fields
-    merged, and repeated fields keep their order, so the bytes parse to exactly
-    the message fill_assignment builds (a test holds them equal)."""
+    they share is serialized once and joined to each member's own fields: a
+    message field that occurs more than once on the wire is merged, and
+    repeated fields keep their order, so the bytes parse to exactly the
+    message fill_assignment builds (a test holds them equal)."""
     plan, previous = world.plan, world.previous
     p = plan.placement(member_id)
     if p is None:
@@ -332,9 +323,8 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     own = pb.Assignment(rank=p.rank, local_rank=p.local_rank, previous_rank=before.rank if before else None,
                         role=plan.roles[p.rank] if plan.roles else "")
     groups = plan.groups_of(p)
-    assignment = b"".join([parts.common, parts.node(p.node_rank), parts.changed(groups, before), own.SerializeToString(),
-                           *[parts.group(g) for g in groups]])
-    return _ASSIGNMENT_KEY + _varint(len(assignment)) + assignment
+    return b"".join([parts.common, parts.node(p.node_rank), parts.changed(groups, before), _event_bytes(own),
+                     *[parts.group(g) for g in groups]])
 
 
 def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
