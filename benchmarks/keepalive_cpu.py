@@ -59,9 +59,11 @@ async def main_async(n: int, ttl: float, seconds: float) -> None:
             c0, r0, t0 = cpu_s(proc.pid), renewals[0], time.monotonic()
             await asyncio.sleep(seconds)
             c1, r1, t1 = cpu_s(proc.pid), renewals[0], time.monotonic()
+            # Counted before the sessions end: a session cancelled without a Leave is a
+            # departure once the reconnect grace (1 s) has passed.
+            d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="ka"))
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-            d = await stub.DescribeJob(pb.DescribeJobRequest(job_id="ka"))
         rate = (r1 - r0) / (t1 - t0)
         print(f"{n} members, lease TTL {ttl:g} s: {rate:.0f} renewals/s; server CPU {100 * (c1 - c0) / (t1 - t0):.1f} % of one core "
               f"over {t1 - t0:.0f} s; {d.joined} members still held; RSS with sessions open "

@@ -134,7 +134,8 @@ def measure(kind: str, n: int, procs: int, channels: int, ttl: float) -> dict:
                     w.kill()
         row = {"kind": kind, "seconds": finished - expired, "held": sum(r[1] for r in results),
                "survivors": sum(r[2] for r in results), "lag": metrics["commctx_event_loop_lag_max_seconds"],
-               "expired": expired, "finished": finished, "load": load_average}
+               "expired": expired, "finished": finished, "load": load_average,
+               "first": min(r[3] for r in results) - expired}
         for p in probers:
             during = p.during(expired, finished)
             row[p.name] = max((dt for _, dt in during), default=float("nan"))
@@ -168,8 +169,10 @@ def main() -> None:
           f"lease TTL {args.lease_ttl_s:g} s; servers unpinned; Check every {PROBE_EVERY_S * 1000:g} ms per port")
     print("# re-form: the hung member's lease out (last renewal + TTL) -> the last survivor holds generation 2; worst Check:"
           " the longest Check(\"\") that overlapped the re-form, per port, from a prober thread of this process with a"
-          " connection of its own (60 s deadline); > 1 s: how many of those a 1 s probe timeout would have failed")
-    print(f"{'server':<8} {'re-form':>9} {'at gen 2':>11} {'loop lag':>9} {'worst Check main':>17} {'> 1 s':>6} "
+          " connection of its own (60 s deadline); > 1 s: how many of those a 1 s probe timeout would have failed; first:"
+          " the first survivor at generation 2, after the lease ran out (the server's removal, plan and commit; the"
+          " sends follow)")
+    print(f"{'server':<8} {'re-form':>9} {'first':>8} {'at gen 2':>11} {'loop lag':>9} {'worst Check main':>17} {'> 1 s':>6} "
           f"{'worst Check health-port':>24} {'> 1 s':>6} {'load':>5}")
     rows: dict[str, list[dict]] = {}
     dump = []
@@ -183,16 +186,18 @@ def main() -> None:
             rows.setdefault(kind, []).append(r)
             hp = (f"{r['health-port'] * 1000:>21.1f} ms {r['health-port >1s']:>6}" if "health-port" in r
                   else f"{'-':>24} {'-':>6}")
-            print(f"{kind:<8} {r['seconds']:>7.3f} s {r['held']:>5}/{r['survivors']:<5} {r['lag'] * 1000:>6.1f} ms "
+            print(f"{kind:<8} {r['seconds']:>7.3f} s {r['first']:>6.3f} s {r['held']:>5}/{r['survivors']:<5} "
+                  f"{r['lag'] * 1000:>6.1f} ms "
                   f"{r['main'] * 1000:>14.1f} ms {r['main >1s']:>6} {hp} {r['load']:>5.2f}", flush=True)
             dump.append({"kind": kind, "seconds": r["seconds"], "expired": r["expired"], "finished": r["finished"], **{
                 name: [(round(t0 - r["expired"], 4), round(dt, 4)) for t0, dt in r[name + " samples"]
                        if r["expired"] - 2 <= t0 <= r["finished"] + 1]
                 for name in ("main", "health-port") if name in r}})
     print("median (range) per server:")
-    print(f"{'server':<8} {'re-form':>20} {'worst Check main':>22} {'worst Check health-port':>24}")
+    print(f"{'server':<8} {'re-form':>20} {'first':>20} {'worst Check main':>22} {'worst Check health-port':>24}")
     for kind, rs in rows.items():
-        print(f"{kind:<8} {summary([r['seconds'] for r in rs]):>20} {summary([r['main'] for r in rs], 1000, 'ms', 0):>22} "
+        print(f"{kind:<8} {summary([r['seconds'] for r in rs]):>20} {summary([r['first'] for r in rs], 1, 's', 3):>20} "
+              f"{summary([r['main'] for r in rs], 1000, 'ms', 0):>22} "
               f"{summary([r.get('health-port', float('nan')) for r in rs], 1000, 'ms', 0):>24}")
     if "commctx" in rows and "relay" in rows:
         def median(kind: str, key: str) -> float:

@@ -138,7 +138,7 @@ async def _load(address: str, first: int, count: int, total: int, ttl: float, ch
     while any(m.gen2_at is None for m in survivors) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     done = [m.gen2_at for m in survivors if m.gen2_at is not None]
-    conn.send((max(done, default=0.0), len(done), len(survivors)))
+    conn.send((max(done, default=0.0), len(done), len(survivors), min(done, default=0.0)))
     await _recv(conn)
     for m in members:
         m.alive = False
@@ -186,7 +186,8 @@ def reform(pipes: list[Connection], n: int, ttl: float, settled: Callable[[], ob
     over 10 s after the sessions opened (so the lag gauge's window, the last
     10 s, holds the re-form, not the burst of opening), `settled()`, then member
     N/2 hangs. Returns (its lease's end, the last survivor at generation 2, each
-    load process's result)."""
+    load process's result: (its last survivor at generation 2, how many got
+    there, its survivors, its first survivor at generation 2))."""
     for c in pipes:
         assert receive(c, "joining") == "joined"
     step("joined; opening sessions")
