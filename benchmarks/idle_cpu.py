@@ -49,7 +49,8 @@ def main() -> None:
     args = p.parse_args()
     tune_gc()
     with tempfile.TemporaryDirectory() as state, \
-            commctx_server("--log-level", "warning", "--lease-ttl-s", "3600", "--state-dir", state) as server:
+            commctx_server("--log-level", "warning", "--lease-ttl-s", "3600", "--state-dir", state,
+                           "--caller-share", "1") as server:  # every job comes from one caller (this host)
         rss0 = memory_kib(server.proc.pid)["VmRSS"]
         t = time.monotonic()
         asyncio.run(fill(server.address, args.members, args.jobs))

@@ -36,10 +36,11 @@ from .watching import Watchers
 log = logging.getLogger("commctx.server")
 
 # Deadlines are served on ticks of this length. 10 ms: a lease or grace that
-# runs out is acted on within 10 ms (50 ms ticks made a 1,000-member re-form's
-# first assignment wait 49 ms, median, against 17 ms; benchmarks/reform_health.py
-# --members 1000), and the timer fires at most 100 times a second however many
-# leases are due (keep-alive CPU at 10,000 members unchanged, keepalive_cpu.py).
+# runs out is acted on within 10 ms (with 50 ms ticks a 1,000-member re-form's
+# first assignment came 49 ms after the lease, median, against 15 ms now), and
+# outside an expiry storm the timer fires at most 100 times a second, however
+# many leases are due (keep-alive CPU at 10,000 members unchanged).
+# docs/benchmarks.md has the runs.
 TICK_S = 0.01
 
 
