@@ -224,18 +224,23 @@ def _shared_fields(job_id: str, generation: int, plan: WorldPlan, reason: str) -
                          master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=reason)
 
 
-def _own_fields(a: Seat) -> pb.Assignment:
-    """The fields of an assignment that are this worker's own (its groups aside)."""
-    plan, p = a.plan, a.placement
-    return pb.Assignment(rank=p.rank, node_rank=p.node_rank, local_rank=p.local_rank,
-                         local_world_size=plan.nodes[p.node_rank].size, role=plan.roles[p.rank] if plan.roles else "",
-                         changed_groups=a.changed_groups, previous_rank=a.previous_rank)
+def _node_fields(plan: WorldPlan, node_rank: int) -> pb.Assignment:
+    """The fields of an assignment every worker of one node has alike."""
+    return pb.Assignment(node_rank=node_rank, local_world_size=plan.nodes[node_rank].size)
+
+
+def _own_fields(plan: WorldPlan, p: Placement, previous_rank: int | None) -> pb.Assignment:
+    """The fields of an assignment that are this worker's alone (its node's, changed groups and groups aside)."""
+    return pb.Assignment(rank=p.rank, local_rank=p.local_rank, previous_rank=previous_rank,
+                         role=plan.roles[p.rank] if plan.roles else "")
 
 
 def fill_assignment(m: pb.Assignment, a: Seat) -> None:
     """Writes `a` into `m` (in place: this runs once per worker of every world)."""
     m.MergeFrom(_shared_fields(a.job_id, a.generation, a.plan, a.reason))
-    m.MergeFrom(_own_fields(a))
+    m.MergeFrom(_node_fields(a.plan, a.placement.node_rank))
+    m.MergeFrom(_own_fields(a.plan, a.placement, a.previous_rank))
+    m.changed_groups.extend(a.changed_groups)
     m.groups.extend([_group_message(g) for g in a.plan.groups_of(a.placement)])
 
 
@@ -276,8 +281,7 @@ class _WorldParts:
     def node(self, node_rank: int) -> bytes:
         b = self.nodes.get(node_rank)
         if b is None:
-            b = self.nodes[node_rank] = _event_bytes(pb.Assignment(
-                node_rank=node_rank, local_world_size=self.world.plan.nodes[node_rank].size))
+            b = self.nodes[node_rank] = _event_bytes(_node_fields(self.world.plan, node_rank))
         return b
 
     def changed(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> bytes:
@@ -320,8 +324,7 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
         return None
     parts = _world_parts(world)
     before = previous.placement(member_id) if previous is not None else None
-    own = pb.Assignment(rank=p.rank, local_rank=p.local_rank, previous_rank=before.rank if before else None,
-                        role=plan.roles[p.rank] if plan.roles else "")
+    own = _own_fields(plan, p, before.rank if before else None)
     groups = plan.groups_of(p)
     return b"".join([parts.common, parts.node(p.node_rank), parts.changed(groups, before), _event_bytes(own),
                      *[parts.group(g) for g in groups]])
