@@ -297,7 +297,7 @@ def test_survivors_hear_of_a_wait_that_began_while_their_world_was_planned(clock
     _, actions = join(rdzv, params(spec, "n3"))  # a newcomer opens a last call: the plan in flight is stale
     assert not actions.pushes and not actions.plans
     actions = plan_now(rdzv, request)
-    change = Reforming(1, f"member {ids[2]} (node 'n2', rank 2) expired")
+    change = Reforming(1, f"member {ids[2]} (node 'n2', rank 2) expired", True)
     assert not worlds(actions) and all(pushed(actions, sinks[m]) == [change] for m in ids[:2])
     assert rdzv.describe("job").state is JobState.FORMING
 
@@ -393,6 +393,90 @@ def test_a_session_reopened_within_the_grace_keeps_its_seat_and_nobody_hears(rdz
     clock.now = reattached + TTL
     actions, _ = rdzv.expire_due()
     assert [(n.fields["member"], n.fields["why"]) for n in actions.notes if n.event == "removed"] == [(ids[0], "expired")]
+
+
+def test_a_failure_report_ends_the_grace_of_members_already_disconnected(rdzv, clock):
+    """A killed worker's stream closes; a survivor's collective fails at the same
+    moment and says so: the dead member goes at once, not at the grace's end."""
+    ids, sinks = elastic_world(rdzv)
+    rdzv.close_session("job", ids[2], sinks[ids[2]], departed=True)
+    actions = rdzv.report_failure("job", ids[0], 1)
+    assert [(n.fields["member"], n.fields["why"]) for n in actions.notes if n.event == "removed"] == [(ids[2], "broke off")]
+    (world,) = worlds(actions)  # at the report's clock reading: no grace waited out
+    assert world.generation == 2 and world.plan.world_size == 2 and world.lost  # survivors end the old world's collectives
+    assert world.reason == (f"member {ids[2]} (node 'n2', rank 2) disconnected: session closed without leave after its "
+                            f"world's collectives failed")
+    assert all(pushed(actions, sinks[m]) == [world] for m in ids[:2])
+    assert not rdzv.report_failure("job", ids[1], 1)  # a report of the generation replaced: nothing to do
+
+
+def test_after_a_failure_report_a_session_that_closes_is_gone_at_once(rdzv, clock):
+    """The report may come first (the survivor's gloo error beats the server's
+    view of the dead one's connection): the close that follows skips the grace."""
+    ids, sinks = elastic_world(rdzv)
+    assert not rdzv.report_failure("job", ids[0], 1)  # nobody has disconnected yet: nothing to remove
+    assert not rdzv.report_failure("job", ids[1], 1)  # later reports of the generation: no second pass
+    actions = rdzv.close_session("job", ids[2], sinks[ids[2]], departed=True)
+    assert [n.fields["why"] for n in actions.notes if n.event == "removed"] == ["broke off"]
+    assert worlds(actions)[0].plan.world_size == 2
+    # in the next generation the grace is back: a blip costs nothing again
+    sinks = sessions(rdzv, ids[:2], generation=2)
+    assert not rdzv.close_session("job", ids[1], sinks[ids[1]], departed=True)
+    assert rdzv.next_deadline() == clock.now + GRACE
+
+
+def test_a_failure_report_counts_only_from_a_member_of_the_current_world(rdzv, clock):
+    ids, sinks = elastic_world(rdzv)
+    rdzv.close_session("job", ids[2], sinks[ids[2]], departed=True)
+    assert not rdzv.report_failure("job", ids[0], 7)  # a generation the job never had
+    assert not rdzv.report_failure("job", ids[0], 0)
+    with pytest.raises(NotFound):
+        rdzv.report_failure("job", "ffff", 1)
+    with pytest.raises(NotFound):
+        rdzv.report_failure("other", ids[0], 1)
+    clock.now += GRACE  # the grace ran as it would have
+    actions, _ = rdzv.expire_due()
+    assert [n.fields["why"] for n in actions.notes if n.event == "removed"] == ["disconnected"]
+
+
+def test_the_world_changed_event_says_whether_members_of_the_old_world_are_gone(rdzv, clock):
+    """A world that only grows may run on until its assignment comes; one that
+    lost a member cannot: its survivors abort their process groups at once."""
+    spec = elastic(4, 1)
+    grown = [join(rdzv, params(spec, f"n{i}"))[0] for i in range(2)]
+    clock.now += 1.0
+    rdzv.expire_due()  # the last call passes: a world of 2 forms
+    sinks = sessions(rdzv, grown)
+    _, actions = join(rdzv, params(spec, "n9"))  # can grow the world: its last call runs first
+    assert [pushed(actions, sinks[m]) for m in grown] == [[Reforming(1, "1 worker waiting to join can grow the world", False)]] * 2
+
+
+
+def test_a_new_world_says_whether_its_predecessor_lost_members_without_a_leave(rdzv, clock):
+    """A member that left finished its collectives; one that expired may hold
+    its peers in theirs, which they end on this news."""
+    ids, sinks = elastic_world(rdzv, 3)
+    (left,) = worlds(rdzv.leave("job", ids[2]))
+    assert (left.generation, left.lost) == (2, False)
+    sinks = sessions(rdzv, ids[:2], generation=2)
+    clock.now += TTL
+    rdzv.renew("job", ids[0], 2, spare_port=40100)  # rank 0: a new spare, its last one serves the store
+    actions, _ = rdzv.expire_due()
+    (expired,) = worlds(actions)
+    assert (expired.generation, expired.lost) == (3, True) and pushed(actions, sinks[ids[0]]) == [expired]
+    assert expired.assignment_for(ids[0]).previous_lost
+
+
+def test_the_world_changed_event_of_a_loss_says_so(rdzv, clock):
+    ids, sinks = elastic_world(rdzv)
+    clock.now += TTL / 2 + 0.1
+    rdzv.renew("job", ids[0], 1)  # ids[1] not heard from for half a TTL: awaited when a member goes
+    rdzv.close_session("job", ids[2], sinks[ids[2]], departed=True)
+    clock.now += GRACE
+    actions, _ = rdzv.expire_due()
+    assert not worlds(actions)
+    reason = f"member {ids[2]} (node 'n2', rank 2) disconnected: session closed without leave"
+    assert [pushed(actions, sinks[m]) for m in ids[:2]] == [[Reforming(1, reason, True)]] * 2
 
 
 def test_a_reattach_with_a_wrong_secret_or_an_older_generation_does_not_keep_the_seat(clock):

@@ -486,6 +486,41 @@ async def test_a_restart_asked_in_a_sessions_first_message_re_forms_the_world(st
     restarting.cancel()
 
 
+async def test_a_failed_collective_drops_members_whose_sessions_closed_without_their_grace(stub):
+    """The server's reconnect grace here is the lease (5 s). A member reports
+    that its collectives failed: a member whose session closed is gone at once
+    ("broke off"), on an open stream and in a new stream's first message alike."""
+    def request(i: int) -> pb.JoinRequest:
+        r = join_request("broken", 3, f"n{i}", i, master_port=1000 + i)
+        r.spec.CopyFrom(pb.JobSpec(world_size=3, elastic=pb.Elastic(min_size=1, last_call_ms=5000)))
+        return r
+
+    joined = sorted(await asyncio.gather(*(stub.Join(request(i)) for i in range(3))), key=lambda r: r.assignment.rank)
+    sessions = []
+    for i, r in enumerate(joined):
+        call = stub.Session()
+        await call.write(pb.SessionRequest(job_id="broken", member_id=r.member_id, member_secret=r.member_secret,
+                                           generation=1, spare_port=3000 + i))
+        assert (await next_event(call)).lease_ttl_ms == 5000
+        sessions.append(call)
+    sessions[2].cancel()  # killed: its connection reset
+    first = joined[0]
+    await sessions[0].write(pb.SessionRequest(job_id="broken", member_id=first.member_id, member_secret=first.member_secret,
+                                              generation=1, failed_generation=1))
+    pushed = (await next_event(sessions[0])).assignment
+    assert (pushed.generation, pushed.world_size) == (2, 2)
+    sessions[1].cancel()
+    await sessions[0].done_writing()  # (its session ends; the member keeps its seat for the grace)
+    again = stub.Session()
+    await again.write(pb.SessionRequest(job_id="broken", member_id=first.member_id, member_secret=first.member_secret,
+                                        generation=2, spare_port=4000, failed_generation=2))
+    assert (await next_event(again)).lease_ttl_ms == 5000
+    assert (await next_event(again)).assignment.generation == 3
+    lost = (await stub.ListEvents(pb.ListEventsRequest(job_id="broken"))).events
+    assert [(e.fields["rank"], e.fields["why"]) for e in lost if e.kind == "lost"] == [(2, "broke off"), (1, "broke off")]
+    again.cancel()
+
+
 async def test_a_reconnecting_session_catches_up(stub):
     a = await stub.Join(grow_request("catch", "n0", 1111))
     first = stub.Session()
@@ -719,7 +754,8 @@ def test_an_assignment_encoded_ahead_parses_to_the_message_built_field_by_field(
     first = plan_world(members, spec)
     # m5 is replaced by m6 on its node: m6 has no previous rank
     second = plan_world([*members[:5], Candidate("m6", "n1", members[5].address, 30006, None, None, "rollout")], spec)
-    for world in (NewWorld("job", 1, first, None), NewWorld("job", 2, second, first, "member m5 (node 'n1', rank 5) left")):
+    for world in (NewWorld("job", 1, first, None), NewWorld("job", 2, second, first, "member m5 (node 'n1', rank 5) left"),
+                  NewWorld("job", 2, second, first, "member m5 (node 'n1', rank 5) expired", lost=True)):
         seen_previous = set()
         for mid in world.plan.ranks:
             expected = pb.SessionEvent()
@@ -729,6 +765,7 @@ def test_an_assignment_encoded_ahead_parses_to_the_message_built_field_by_field(
             got = pb.SessionEvent.FromString(wire).assignment
             assert [g.mode for g in got.groups] == [g.mode for g in expected.assignment.groups]  # the creation order
             seen_previous.add(got.HasField("previous_rank"))
+            assert got.previous_lost == world.lost
         assert seen_previous == ({False} if world.previous is None else {True, False})  # m6: no previous rank
         assert codec.session_event(world, "m-unknown") is None
     assert codec.pass_bytes(pb.SessionEvent.SerializeToString)(b"\x08\x01") == b"\x08\x01"

@@ -58,7 +58,7 @@ class Forming:
         if job.announced or job.planning == job.version:
             return
         job.announced = True
-        change = Reforming(job.generation, job.reason)
+        change = Reforming(job.generation, job.reason, job.abandoned)
         for mid in job.survivors():
             sink = job.members[mid].session
             if sink is not None:
@@ -212,6 +212,7 @@ class Forming:
         job.generation += 1
         job.previous_plan, job.plan = previous, plan
         job.reason, job.suspects, job.announced = reason, set(), False
+        job.formed_abandoned, job.abandoned = job.abandoned, False
         job.placed = plan.world_size
         members = job.members
         first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
@@ -225,9 +226,9 @@ class Forming:
         actions.writes.append(PutMember(job.job_id, member_record(rank0, members[rank0])))
         formed_in_s, job.forming_since = now - job.forming_since, now  # the record keeps the formed world's start
         actions.writes.append(PutJob(self._record(job)))
-        world = NewWorld(job.job_id, job.generation, plan, previous, reason)
+        world = NewWorld(job.job_id, job.generation, plan, previous, reason, job.formed_abandoned)
         if previous is not None:
-            change = Reforming(job.generation - 1, reason)
+            change = Reforming(job.generation - 1, reason, job.formed_abandoned)
             for mid, m in members.items():
                 if m.session is not None:
                     if mid in plan.ranks:

@@ -15,6 +15,7 @@ import math
 from ..errors import BadRequest, Stale
 from .actions import Actions
 from .model import (
+    BROKE_OFF,
     DISCONNECTED,
     EventKind,
     Gone,
@@ -34,8 +35,9 @@ from .store import DeleteJob, DeleteMember, PutJob, PutMember, member_record
 
 log = logging.getLogger("commctx.server")
 
-# Why a member was removed ("left", "expired", "withdrawn", DISCONNECTED), as said to people.
-_SAID = {DISCONNECTED: "disconnected: session closed without leave"}
+# Why a member was removed ("left", "expired", "withdrawn", DISCONNECTED, BROKE_OFF), as said to people.
+_SAID = {DISCONNECTED: "disconnected: session closed without leave",
+         BROKE_OFF: "disconnected: session closed without leave after its world's collectives failed"}
 
 
 def serves_store(job: Job, member_id: str, port: int) -> bool:
@@ -86,9 +88,9 @@ class Leases:
                                job.state is JobState.CLOSED))
         elif job.in_world(member_id):
             if job.state is JobState.FORMED and generation < job.generation:
-                missed.append(NewWorld(job_id, job.generation, job.plan, job.previous_plan, job.reason))
+                missed.append(NewWorld(job_id, job.generation, job.plan, job.previous_plan, job.reason, job.formed_abandoned))
             elif job.state is JobState.FORMING and job.announced:
-                missed.append(Reforming(job.generation, job.reason))
+                missed.append(Reforming(job.generation, job.reason, job.abandoned))
         member.session = sink
         _, actions = self.renew(job_id, member_id, generation, spare_port)
         if older is not None and older is not sink:
@@ -107,13 +109,14 @@ class Leases:
         """The session of `sink` ended. `departed`: the client ended it (it
         cancelled the stream, or its connection broke, as when its process is
         killed) without a Leave; then, unless a new session reattaches within
-        the reconnect grace, the member is removed as an expired lease is. Any
-        other end (the server stopping or handing over, a newer session) leaves
-        the lease to run on. A paused process keeps its connection: only its
-        lease finds it.
+        the reconnect grace, the member is removed as an expired lease is; at
+        once, with no grace, when a peer reported its world's collectives
+        failed (report_failure). Any other end (the server stopping or handing
+        over, a newer session) leaves the lease to run on. A paused process
+        keeps its connection: only its lease finds it.
 
         Returns:
-            Actions (none to carry out, but the grace's deadline may be the next one).
+            Actions: the removal's, or none (but the grace's deadline may be the next one).
         """
         actions = Actions()
         job = self._jobs.get(job_id)
@@ -121,7 +124,9 @@ class Leases:
         if member is None or member.session is not sink:
             return actions
         member.session = None
-        if departed and member.lease in (Lease.FIRST, Lease.RENEWING):
+        if departed and member.lease in (Lease.FIRST, Lease.RENEWING) and job.failed == job.generation and job.in_world(member_id):
+            self._remove(job, member_id, BROKE_OFF, actions)
+        elif departed and member.lease in (Lease.FIRST, Lease.RENEWING):
             member.lease = Lease.DETACHED
             member.lease_deadline = min(member.lease_deadline, self._clock() + self.reconnect_grace_s)
             self._queue(job_id, member_id, member, member.lease_deadline)
@@ -167,6 +172,34 @@ class Leases:
             job.suspects.discard(member_id)
             self._maybe_form(job, actions)
         return job.generation, actions
+
+    def report_failure(self, job_id: str, member_id: str, generation: int) -> Actions:
+        """A member's collectives in `generation` failed: a peer's connection
+        broke, which a killed process's does at once. Members of that world
+        whose session closed without a Leave (DETACHED) are removed now rather
+        than at the end of their reconnect grace, and so is one whose session
+        closes so later in the generation (close_session). A process that is
+        alive and whose connection to this server merely broke has the grace
+        back in the next generation; in this one its peers' collectives failed
+        anyway. Ignored unless `generation` is the job's current one and the
+        member sits in its world; the first report of a generation does the
+        work (one pass over the world), later ones nothing.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        self._member(job, member_id)
+        actions = Actions()
+        if (generation == job.generation == job.failed or generation != job.generation or not job.in_world(member_id)
+                or job.state not in (JobState.FORMED, JobState.FORMING)):
+            return actions
+        job.failed = generation
+        detached = [mid for mid in job.survivors() if job.members[mid].lease is Lease.DETACHED]
+        for mid in detached:
+            if mid in job.members:  # not gone with the job (a world below its minimum fails, taking every member)
+                self._remove(job, mid, BROKE_OFF, actions)
+        return actions
 
     def restart(self, job_id: str, member_id: str, generation: int) -> Actions:
         """A member's launcher restarts its workers after a failure: the world of
@@ -341,6 +374,7 @@ class Leases:
 
     def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions) -> None:
         """A member of a formed (or re-forming) world is gone."""
+        job.abandoned |= why != "left"
         rank = job.plan.ranks.get(member_id)
         what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {_SAID.get(why, why)}"
         n, unit = (job.units, "node") if job.spec.nodes else (job.workers, "worker")

@@ -59,6 +59,9 @@ class Lease(enum.Enum):
 # Why a member whose session ended without a Leave, and was not back within the
 # reconnect grace, was removed (beside "left", "expired" and "withdrawn").
 DISCONNECTED = "disconnected"
+# Why one was removed at once: its session ended without a Leave after a peer
+# reported that its world's collectives failed (no reconnect grace).
+BROKE_OFF = "broke off"
 
 
 class EventKind(str, enum.Enum):
@@ -104,6 +107,7 @@ class Seat(NamedTuple):
     changed_groups: tuple[str, ...] = ()
     previous_rank: int | None = None
     reason: str = ""  # why this generation formed ("" for a job's first world)
+    previous_lost: bool = False  # members of the previous world went without a Leave
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +122,7 @@ class NewWorld:
     plan: WorldPlan
     previous: WorldPlan | None  # the world it replaces
     reason: str = ""
+    lost: bool = False  # members of the world it replaces went without a Leave
 
     def assignment_for(self, member_id: str) -> Seat | None:
         p = self.plan.placement(member_id)
@@ -125,7 +130,8 @@ class NewWorld:
             return None
         before = self.previous.placement(member_id) if self.previous is not None else None
         changed = self.changed_groups(self.plan.groups_of(p), before)
-        return Seat(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason)
+        return Seat(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason,
+                    self.lost)
 
     def changed_groups(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> tuple[str, ...]:
         """The modes of `groups` (a worker's in this world) whose members differ
@@ -142,6 +148,7 @@ class Reforming(NamedTuple):
 
     generation: int
     reason: str
+    lost: bool = False  # members of that world went without a Leave: its collectives may block on them
 
 
 class Gone(NamedTuple):
@@ -255,6 +262,7 @@ class Job:
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
         "last_call_armed", "version", "planning", "seal", "node_order", "workers", "events", "refused", "creator",
+        "failed", "abandoned", "formed_abandoned",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -284,6 +292,12 @@ class Job:
         self.events: collections.deque[JobEvent] = collections.deque()  # its history, the last max_events_per_job
         self.refused: Refusals = Refusals()
         self.creator: Any = None  # the Caller whose Join created it (shares.py); restored jobs: the server
+        self.failed = 0  # a generation whose collectives a member reported failed (0: none): no reconnect grace in it
+        # A member of the world being replaced went without a Leave (its lease
+        # expired, its session closed): a collective of that world may block on
+        # it, and its survivors end them (Reforming.lost, NewWorld.lost).
+        self.abandoned = False
+        self.formed_abandoned = False  # `abandoned` of the world this generation replaced
 
     @property
     def units(self) -> int:

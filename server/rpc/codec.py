@@ -218,10 +218,11 @@ def _group_message(group: PlannedGroup) -> pb.Group:
     return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs), cpu_twin=group.cpu_twin, root=group.root)
 
 
-def _shared_fields(job_id: str, generation: int, plan: WorldPlan, reason: str) -> pb.Assignment:
+def _shared_fields(job_id: str, generation: int, plan: WorldPlan, reason: str, previous_lost: bool) -> pb.Assignment:
     """The fields of an assignment every worker of the world has alike."""
     return pb.Assignment(job_id=job_id, generation=generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
-                         master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=reason)
+                         master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=reason,
+                         previous_lost=previous_lost)
 
 
 def _node_fields(plan: WorldPlan, node_rank: int) -> pb.Assignment:
@@ -237,7 +238,7 @@ def _own_fields(plan: WorldPlan, p: Placement, previous_rank: int | None) -> pb.
 
 def fill_assignment(m: pb.Assignment, a: Seat) -> None:
     """Writes `a` into `m` (in place: this runs once per worker of every world)."""
-    m.MergeFrom(_shared_fields(a.job_id, a.generation, a.plan, a.reason))
+    m.MergeFrom(_shared_fields(a.job_id, a.generation, a.plan, a.reason, a.previous_lost))
     m.MergeFrom(_node_fields(a.plan, a.placement.node_rank))
     m.MergeFrom(_own_fields(a.plan, a.placement, a.previous_rank))
     m.changed_groups.extend(a.changed_groups)
@@ -267,7 +268,7 @@ class _WorldParts:
 
     def __init__(self, world: NewWorld) -> None:
         self.world = world  # held, so that the ids keying the caches are not reused meanwhile
-        self.common = _event_bytes(_shared_fields(world.job_id, world.generation, world.plan, world.reason))
+        self.common = _event_bytes(_shared_fields(world.job_id, world.generation, world.plan, world.reason, world.lost))
         self.groups: dict[int, bytes] = {}  # by id(PlannedGroup): the plans hold their groups
         self.nodes: dict[int, bytes] = {}  # by node rank: node_rank, local_world_size
         self.changes: dict[tuple[str, ...], bytes] = {}  # changed_groups
@@ -342,7 +343,7 @@ def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | byte
     if isinstance(event, NewWorld):
         return _assignment_bytes(event, member_id)
     if isinstance(event, Reforming):
-        return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason))
+        return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason, lost=event.lost))
     if isinstance(event, Gone):
         return pb.SessionEvent(gone=event.reason, job_ended=event.ended, job_closed=event.closed)
     raise TypeError(f"not a session event: {elide(event)}")

@@ -128,6 +128,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._executor.submit(actions)
         if first.restart_generation:  # asked for before this stream opened (a launcher restarting at once)
             self._restart(job_id, member_id, first.restart_generation, sink)
+        if first.failed_generation:  # its collectives failed while its stream was down
+            self._executor.submit(self._machine.report_failure(job_id, member_id, first.failed_generation))
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
         self._sinks.add(sink)
         self._machine.shares.live.add(caller, sink.put_nowait)  # a revoked token's session ends (UnknownToken)
@@ -175,6 +177,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 return
             try:
                 _, actions = self._machine.renew(job_id, member_id, request.generation, request.spare_port)
+                if request.failed_generation:
+                    actions.extend(self._machine.report_failure(job_id, member_id, request.failed_generation))
                 if actions:
                     self._executor.submit(actions)
             except NotFound as exc:

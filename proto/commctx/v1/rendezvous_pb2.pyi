@@ -199,7 +199,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., member_secret: _Optional[str] = ..., worker_assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason")
+    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason", "previous_lost")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class Assignment(_message.Message):
     CHANGED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_LOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
@@ -232,7 +233,8 @@ class Assignment(_message.Message):
     changed_groups: _containers.RepeatedScalarFieldContainer[str]
     previous_rank: int
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    previous_lost: bool
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ..., reason: _Optional[str] = ..., previous_lost: _Optional[bool] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("mode", "index", "ranks", "cpu_twin", "root")
@@ -265,20 +267,22 @@ class RankRun(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret", "restart_generation")
+    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret", "restart_generation", "failed_generation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SPARE_PORT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     RESTART_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FAILED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
     spare_port: int
     member_secret: str
     restart_generation: int
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ...) -> None: ...
+    failed_generation: int
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ..., failed_generation: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone", "job_ended", "job_closed")
@@ -297,12 +301,14 @@ class SessionEvent(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ..., job_ended: _Optional[bool] = ..., job_closed: _Optional[bool] = ...) -> None: ...
 
 class WorldChange(_message.Message):
-    __slots__ = ("generation", "reason")
+    __slots__ = ("generation", "reason", "lost")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    lost: bool
+    def __init__(self, generation: _Optional[int] = ..., reason: _Optional[str] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("job_id", "member_id", "generation", "member_secret")
