@@ -33,6 +33,7 @@ from .errors import (
     StaleGeneration,
     Unauthenticated,
     UsageError,
+    WorldChanged,
 )
 
 _LAZY = {"CommContext": "commctx.context", "LauncherEnv": "commctx.context", "Assignment": "commctx.assignment"}
@@ -61,6 +62,7 @@ __all__ = [
     "StaleGeneration",
     "Unauthenticated",
     "UsageError",
+    "WorldChanged",
 ]
 
 if TYPE_CHECKING:

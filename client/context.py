@@ -25,7 +25,6 @@ from .assignment import Assignment
 from .errors import GroupNotFound, InvalidArgument, MemberNotFound, UsageError
 from .launched import LaunchedWorker
 from .lifecycle import (
-    DESTROY_TIMEOUT_S,
     LauncherEnv,
     Membership,
     check_backend,
@@ -40,6 +39,7 @@ from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange
 from .transport import check_token, server_addresses, tls_of
+from .world import DESTROY_TIMEOUT_S
 
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 
@@ -93,6 +93,7 @@ class CommContext:
         timeout: float = DEFAULT_JOIN_TIMEOUT_S,
         collective_timeout: int = 1800,
         on_world_changed: Callable[[WorldChange], None] | None = None,
+        abort_on_change: bool = True,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
@@ -129,6 +130,16 @@ class CommContext:
             collective_timeout: torch.distributed timeout in seconds (positive).
             on_world_changed: Called (from the session thread; keep it quick)
                 when the server re-forms the world; see rejoin().
+            abort_on_change: When the server says members of the current
+                world went without a Leave (a lease expired: a hung process or
+                a dead host; a session closed: a killed process), or the job
+                cannot go on for this worker, abort the world's process groups
+                at once, so that a collective blocked on them raises (torch's
+                RuntimeError; commctx.elastic's guard makes it a WorldChanged)
+                instead of waiting out `collective_timeout`. Members that
+                left, or a world that grows, abort nothing. A collective that
+                completed is not affected. False: the old world's collectives
+                run on until they complete or time out.
             tls_ca: PEM file of the CA that signed the server's certificate:
                 talk TLS (default: COMMCTX_TLS_CA; neither: plaintext).
             tls_cert, tls_key: PEM files of this worker's certificate and key,
@@ -170,6 +181,8 @@ class CommContext:
         check_seconds("collective_timeout", collective_timeout, "torch.distributed's timeout")
         check_count("local_rank", local_rank, "this worker's rank in its node", minimum=0, optional=True)
         check_count("node_rank", node_rank, "this node's rank", minimum=0, optional=True)
+        if not isinstance(abort_on_change, bool):
+            raise InvalidArgument(f"abort_on_change must be True or False, not {abort_on_change!r:.64}")
         launcher = LauncherEnv.from_env()
         progress_s = progress_seconds(progress_interval, launcher)
         if launcher.torchrun_world:  # torchrun --rdzv-backend=commctx: the agent joined for this worker
@@ -218,11 +231,12 @@ class CommContext:
         tls = tls_of(tls_ca, tls_cert, tls_key, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
         try:
             membership = ctx._membership = Membership.join(
-                server_addr, request, advertise_addr=advertise_addr, backend=backend,
-                timeout_s=timeout, collective_timeout_s=collective_timeout, tls=tls, token=token, progress_s=progress_s)
+                server_addr, request, advertise_addr=advertise_addr, backend=backend, timeout_s=timeout,
+                collective_timeout_s=collective_timeout, tls=tls, token=token, progress_s=progress_s,
+                abort_on_change=abort_on_change)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
-            membership.enter(ctx._registry)
+            membership.enter(ctx._registry, timeout)
         except BaseException:
             ctx.destroy()
             raise

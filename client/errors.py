@@ -39,6 +39,26 @@ class GroupNotFound(UsageError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class WorldChanged(CommCtxError, RuntimeError):
+    """A collective of this worker's world failed because the world changed: a
+    member of it is gone (crashed, hung, or left) or the next world formed.
+    Raised by commctx.elastic's guard in place of torch's error (kept as
+    __cause__), so that a training loop can tell a world change from a bug;
+    `rejoin()` (or `Elastic.recover()`) moves the worker on. Also a
+    RuntimeError, as torch's collective errors are.
+
+    Attributes:
+        change: the commctx.session.WorldChange the server announced
+            (generation replaced, reason, whether it is final).
+    """
+
+    def __init__(self, change: object) -> None:
+        generation, reason = getattr(change, "generation", "?"), getattr(change, "reason", "")
+        final = " (final: the job cannot go on for this worker)" if getattr(change, "final", False) else ""
+        super().__init__(f"the world of generation {generation} changed{final}: {reason}")
+        self.change = change
+
+
 class RendezvousError(CommCtxError):
     """The rendezvous server refused or could not serve a request.
 

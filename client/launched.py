@@ -12,7 +12,8 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import UsageError
-from .lifecycle import LauncherEnv, enter_world, leave_world
+from .lifecycle import LauncherEnv
+from .world import enter_world, leave_world
 from .registry import GroupRegistry
 
 WORLD_ENV = "COMMCTX_TORCHRUN_WORLD"  # the file of this generation's assignments, written by the agent's handler

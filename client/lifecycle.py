@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import socket
+import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -31,15 +32,13 @@ from . import _torch
 from .assignment import Assignment
 from .errors import InvalidArgument, InvalidRequest, ServerUnavailable, UsageError
 from .netif import interface_of, listen_socket, route_source_address
-from .process_groups import build_groups, destroy_all, init_world
 from .progress import DEFAULT_EVERY_S
 from .registry import GroupRegistry
 from .session import Session
 from .transport import Tls, server_addresses
+from .world import Peer, World, enter_world, kept_peers, leave_world
 
 log = logging.getLogger("commctx")
-
-DESTROY_TIMEOUT_S = 10.0
 
 # Variables renamed: the old name is still read, with a warning, when the new one is not set.
 RENAMED_VARIABLES = {"COMMCTX_JOB_ID": "COMMCTX_JOB"}
@@ -375,26 +374,18 @@ def listen_on(address: str) -> socket.socket:
         return listen_socket("::" if ":" in address else "0.0.0.0")
 
 
-def enter_world(registry: GroupRegistry, a: Assignment, backend: str, init_method: str, timeout: datetime.timedelta) -> None:
-    """Initialises torch.distributed through `init_method` and registers every group of `a`."""
-    registry.register(init_world(a.world_size, a.rank, backend, init_method, timeout, a.local_rank))
-    for record in build_groups(a.groups, job_id=a.job_id, generation=a.generation, world_size=a.world_size,
-                               backend=backend, timeout=timeout):
-        registry.register(record)
-
-
-def leave_world(registry: GroupRegistry) -> None:
-    """Destroys the process groups (no barrier, bounded time) and forgets them."""
-    if registry.initialized and dist.is_initialized() and not destroy_all(DESTROY_TIMEOUT_S):
-        log.warning("destroying the process groups took over %.0f s; continuing without waiting", DESTROY_TIMEOUT_S)
-    registry.clear()
-
-
 class Membership:
-    """One worker's membership in one job. Create with `Membership.join`."""
+    """One worker's membership in one job. Create with `Membership.join`.
+
+    With `abort_on_change`, the session thread aborts the current world's
+    process groups as soon as the server says members of it went without a
+    Leave (a lease expired, a session closed), or this membership ended for
+    another reason than its job finishing: a collective blocked on a dead or
+    hung peer raises then instead of at torch's timeout (world.py says how)."""
 
     def __init__(self, session: Session, address: str, backend: str, collective_timeout_s: int,
-                 spare: socket.socket, env: MutableMapping[str, str]) -> None:
+                 spare: socket.socket, env: MutableMapping[str, str], *, abort_on_change: bool = True,
+                 keep: Peer = lambda peer: False) -> None:
         self.session = session
         self.address = address
         self.backend = backend
@@ -403,11 +394,15 @@ class Membership:
         self._store: dist.TCPStore | None = None
         self._env = env
         self._env_saved: dict[str, str | None] = {}
+        self._world: World | None = None
+        self._keep = keep
+        if abort_on_change:
+            session.on_world_ended(self._world_ended)
 
     @classmethod
     def join(cls, server_addr: str, request: pb.JoinRequest, *, advertise_addr: str | None, backend: str,
              timeout_s: float, collective_timeout_s: int, env: MutableMapping[str, str] | None = None,
-             progress_s: float = DEFAULT_EVERY_S,
+             progress_s: float = DEFAULT_EVERY_S, abort_on_change: bool = True,
              tls: Tls | None = None, token: str | None = None) -> Membership:
         """Joins with `request` (job, spec, node and rank fields) and blocks until
         placed in a world. The address and spare port are filled in here.
@@ -431,18 +426,47 @@ class Membership:
             spare.close()
             session.close(leave=False)
             raise
-        return cls(session, address, backend, collective_timeout_s, spare, os.environ if env is None else env)
+        return cls(session, address, backend, collective_timeout_s, spare, os.environ if env is None else env,
+                   abort_on_change=abort_on_change, keep=kept_peers(server_addresses(server_addr)))
 
     @property
     def assignment(self) -> Assignment:
         return self.session.assignment
 
-    def enter(self, registry: GroupRegistry) -> None:
+    def _world_ended(self, before: float, reason: str) -> None:
+        """The session's news: worlds older than generation `before` are over."""
+        world = self._world
+        if world is not None and world.generation < before:
+            world.abort(reason)
+
+    def enter(self, registry: GroupRegistry, timeout_s: float) -> None:
         """Initialises torch.distributed for the current assignment and registers its groups.
 
-        Rank 0 serves the TCPStore on its spare socket, whose port the server
-        gave out as the master port, then offers a new spare for later worlds.
+        A world that is aborted while it is being built (a peer went, or the
+        next world formed meanwhile) is left for the next one, until
+        `timeout_s` has passed.
+
+        Raises:
+            MemberNotFound: the member is gone or the job cannot continue.
+            RendezvousTimeout: no world entered within `timeout_s`.
         """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._enter(registry)
+                return
+            except Exception as exc:
+                world = self._world
+                if world is None or not world.aborted or time.monotonic() >= deadline:
+                    raise
+                log.warning("generation %d ended while its world was being built (%s: %s); taking the next",
+                            world.generation, world.aborted, str(exc).splitlines()[0][:200])
+            self.leave_world(registry)
+            self.session.next_assignment(max(0.0, deadline - time.monotonic()))
+
+    def _enter(self, registry: GroupRegistry) -> None:
+        """Rank 0 serves the TCPStore on its spare socket, whose port the server
+        gave out as the master port, then offers a new spare for later worlds."""
         a = self.session.assignment
         self._export_env(a)
         if a.rank == 0:
@@ -452,7 +476,8 @@ class Membership:
             self._store = _torch.store_on_socket(a.master_addr, a.master_port, a.world_size, self._timeout, spare)
             self._spare = listen_on(self.address)
             self.session.offer_spare(self._spare.getsockname()[1])
-        enter_world(registry, a, self.backend, a.dist_url, self._timeout)
+        self._world = World(a.generation, self._keep)  # before anything connects: an abort finds it
+        enter_world(registry, a, self.backend, a.dist_url, self._timeout, world=self._world)
         log.info(
             "joined job=%s generation=%d rank=%d/%d node_rank=%d local_rank=%d master=%s",
             a.job_id, a.generation, a.rank, a.world_size, a.node_rank, a.local_rank, a.dist_url,
@@ -465,13 +490,18 @@ class Membership:
             MemberNotFound: the member is gone or the job cannot continue.
             RendezvousTimeout: no new world within `timeout_s`.
         """
+        deadline = time.monotonic() + timeout_s
         self.leave_world(registry)
         self.session.next_assignment(timeout_s)
-        self.enter(registry)
+        self.enter(registry, max(0.0, deadline - time.monotonic()))
 
     def leave_world(self, registry: GroupRegistry) -> None:
         """Destroys the process groups (no barrier, bounded time) and forgets them."""
-        leave_world(registry)
+        world, self._world = self._world, None
+        if world is not None:
+            world.leave(registry)
+        else:
+            leave_world(registry)
         self._store = None
 
     def close(self, registry: GroupRegistry) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import queue
 import random
@@ -100,10 +101,12 @@ class Session:
         self._generation = 0
         self._spare_port = 0
         self._restart = 0  # a generation to re-form (a launcher restarting its workers), until sent
+        self._failed = 0  # a generation whose collectives failed here, until reported
         self.worker_assignments: tuple[pb.Assignment, ...] = ()  # a node membership's, by local rank
         self._change: WorldChange | None = None
         self._next: Assignment | None = None  # a pushed assignment not yet taken
         self._callbacks: list[Callable[[WorldChange], None]] = []
+        self._ended: Callable[[float, str], None] | None = None  # on_world_ended's
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -202,9 +205,9 @@ class Session:
             with self._lock:
                 message = pb.SessionRequest(
                     job_id=self._job_id, member_id=self.member_id, generation=self._generation, spare_port=self._spare_port,
-                    member_secret=self._secret, restart_generation=self._restart,
+                    member_secret=self._secret, restart_generation=self._restart, failed_generation=self._failed,
                 )
-                self._restart = 0
+                self._restart = self._failed = 0
             yield message
             try:  # the next renewal after TTL/3, or at once for a new spare port or to stop
                 self._wake.get(timeout=max(self._ttl_s / 3, 0.01))
@@ -270,14 +273,22 @@ class Session:
             self._ttl_s = event.lease_ttl_ms / 1000
         elif kind == "world_changed":
             self._wake.put(True)  # renew now: the server awaits survivors it has not heard from lately
-            self._changed(WorldChange(event.world_changed.generation, event.world_changed.reason))
+            change = event.world_changed
+            if change.lost:
+                self._world_ended(change.generation + 1, change.reason)
+            self._changed(WorldChange(change.generation, change.reason))
         elif kind == "assignment":
             a = Assignment.from_proto(event.assignment, self.member_id)
             with self._lock:
                 self._next = a
+                held = self._generation  # read with _next set: a rejoin taking it moves _generation on
                 self._lock.notify_all()
-            self._changed(WorldChange(self._generation, a.reason))  # unless world_changed said so already
+            if event.assignment.previous_lost:
+                self._world_ended(a.generation, a.reason)
+            self._changed(WorldChange(held, a.reason))  # unless world_changed said so already
         elif kind == "gone":
+            if not event.job_ended:  # a job finishing (its members left) ends no collective
+                self._world_ended(math.inf, event.gone)
             if not self._stop.is_set():  # no news while this worker is leaving anyway
                 # A job whose members are leaving (it finished) is no trouble: INFO, not WARNING.
                 log.log(logging.INFO if event.job_ended else logging.WARNING,
@@ -288,6 +299,13 @@ class Session:
                 self._lock.notify_all()
             return True
         return False
+
+    def _world_ended(self, before: float, reason: str) -> None:
+        if self._ended is not None and not self._stop.is_set():
+            try:
+                self._ended(before, reason)
+            except Exception:  # noqa: BLE001 - the session must go on
+                log.exception("ending the old world failed")
 
     def _changed(self, change: WorldChange) -> None:
         with self._lock:
@@ -316,6 +334,35 @@ class Session:
         """Calls `callback(change)` from the session thread when the world changes."""
         with self._lock:
             self._callbacks.append(callback)
+
+    def on_world_ended(self, callback: Callable[[float, str], None]) -> None:
+        """Calls `callback(before, reason)` from the session thread, first
+        thing, when a collective of a world older than generation `before` may
+        block for ever: members of it went without a Leave (their lease
+        expired, their session closed), as a world_changed or the assignment
+        of generation `before` says, or this membership is over and not
+        because its job finished (`before` is infinite). Members that left,
+        and a world that only grows, end no collective: those complete or
+        fail by themselves. One callback: the membership's."""
+        self._ended = callback
+
+    def report_failure(self, generation: int) -> None:
+        """Tells the server (now) that this worker's collectives in `generation` failed:
+        members of that world whose session closed are gone without their reconnect grace."""
+        with self._lock:
+            self._failed = generation
+        self._wake.put(True)
+
+    @property
+    def next_ready(self) -> bool:
+        """Whether the next world's assignment is here, for next_assignment to take at once."""
+        with self._lock:
+            return self._next is not None
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """The lease TTL the server granted (before the join: the default's)."""
+        return self._ttl_s
 
     def wait_world_change(self, timeout_s: float | None = None) -> WorldChange | None:
         with self._lock:

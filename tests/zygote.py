@@ -60,8 +60,9 @@ def _child(request: dict, fds: list[int], worker) -> None:
     """Becomes the worker the request asks for; never returns."""
     code = 1
     try:
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter starts: a write to a closed socket is EPIPE
         signal.set_wakeup_fd(-1)
         os.setsid()
         libc = ctypes.CDLL(None, use_errno=True)
