@@ -17,7 +17,8 @@ Three parts, usable alone:
     connection broke: a crash), the guard tells the server, which then drops
     the members whose sessions closed without waiting out their reconnect
     grace, and waits at most a lease for the news.
-  * `recover()`: rejoins the next world (CommContext.rejoin) and heals it.
+  * `recover()`: before every step; rejoins the next world (CommContext.rejoin)
+    when it is ready or the current one failed, and heals it.
   * `heal()`: after every (re)join, members that lack the training state get
     it from one that holds it: the lowest rank among those at the highest
     step. Every member says, in one all_gather of two integers over GLOBAL,
@@ -93,6 +94,7 @@ class Elastic:
         self._rejoin_timeout = rejoin_timeout
         self._holds = False  # this process's state is the job's (healed once)
         self._healed = -1  # the generation last healed in
+        self._broken = False  # a collective of the current world failed because the world changed
 
     # -- a failed collective --------------------------------------------------------
 
@@ -115,6 +117,7 @@ class Elastic:
             change = self._news_after(exc)
             if change is None:
                 raise
+            self._broken = True
             raise WorldChanged(change) from exc
 
     def _session(self) -> Session | None:
@@ -135,8 +138,12 @@ class Elastic:
     # -- moving on ------------------------------------------------------------------
 
     def recover(self, timeout: float | None = None) -> Heal | None:
-        """Brings this worker into a healed world: rejoins the next world when
-        a change is pending, then heals it; again if the world changes meanwhile.
+        """Brings this worker into a healed world, and is cheap when it is in
+        one: call it before every step. It rejoins when a world change is
+        pending and either the next world is ready (a world that grows runs on
+        until then), the change is final, or a collective of this world failed
+        (guard() raised WorldChanged: then it waits for the next world); then it
+        heals a world it has not healed yet; again if the world changes meanwhile.
 
         Returns:
             The heal, or None when this world was healed already.
@@ -148,8 +155,10 @@ class Elastic:
         deadline = time.monotonic() + (self._rejoin_timeout if timeout is None else timeout)
         while True:
             session = self._session()
-            if session is not None and session.world_change is not None:
+            change = session.world_change if session is not None else None
+            if change is not None and (self._broken or change.final or session.next_ready):
                 self.ctx.rejoin(timeout=max(0.001, deadline - time.monotonic()))
+                self._broken = False
             assignment = self.ctx.assignment
             if self._healed == (assignment.generation if assignment is not None else 0):
                 return None
@@ -161,9 +170,9 @@ class Elastic:
 
     def run(self, train_step: Callable[[int], Any], steps: int) -> int:
         """Runs `train_step(step)` until `steps` steps are done, across world
-        changes: heals first; between steps, moves to a next world that is
-        ready (one that grew: the old one steps on until then); after a step
-        fails because the world changed, recovers and does that step again.
+        changes: recover() before every step (it heals the first world, and
+        moves to a next world that is ready), and a step that failed because
+        the world changed is done again in the next world.
 
         Returns:
             The step count (`steps`).
@@ -171,16 +180,13 @@ class Elastic:
         Raises:
             MemberNotFound: the job cannot go on for this worker.
         """
-        self.recover()
         while self.step < steps:
-            if self._next_world_ready():  # a world that grows: the old one ran until the new one formed
-                self.recover()
+            self.recover()
             try:
                 with self.guard():
                     train_step(self.step)
             except WorldChanged as exc:
                 log.warning("step %d: %s", self.step, exc)
-                self.recover()
                 continue
             self.step += 1
         self._finish()
@@ -195,11 +201,6 @@ class Elastic:
                 dist.barrier(group=self.ctx.get_group(GLOBAL))
         except RuntimeError as exc:  # a peer went first: this worker's steps are done all the same
             log.info("the final barrier ended early: %s", str(exc).splitlines()[0][:200])
-
-    def _next_world_ready(self) -> bool:
-        session = self._session()
-        change = session.world_change if session is not None else None
-        return change is not None and (change.final or session.next_ready)
 
     # -- the state ------------------------------------------------------------------
 
