@@ -304,7 +304,7 @@ class Session:
         if self._ended is not None and not self._stop.is_set():
             try:
                 self._ended(before, reason)
-            except Exception:  # noqa: BLE001 - the session must go on
+            except Exception:  # the session must go on
                 log.exception("ending the old world failed")
 
     def _changed(self, change: WorldChange) -> None:

@@ -26,7 +26,7 @@ def main() -> None:
     mine = case[rank]
     state = {"weight": torch.full((1000,), mine["value"])}
     elastic = Elastic(ctx, state_dict=lambda: state, load_state_dict=lambda s: state.update(s), step=mine["step"])
-    elastic._holds = mine["holds"]  # noqa: SLF001 - as a survivor of an earlier world holds it
+    elastic._holds = mine["holds"]  # as a survivor of an earlier world holds it
     heal = elastic.heal()
     print(json.dumps({"value": state["weight"][0].item(), "same": bool((state["weight"] == state["weight"][0]).all()),
                       "step": elastic.step, "source": heal.source, "receivers": list(heal.receivers),
