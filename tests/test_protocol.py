@@ -700,16 +700,16 @@ async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the
 
     from commctx.server.errors import BadRequest
     from commctx.server.rendezvous.model import Limits
-    from commctx.server.rpc import codec
+    from commctx.server.rpc import specs
 
     threads = []
-    parse = codec._parse_spec
-    monkeypatch.setattr(codec, "_parse_spec", lambda wire: threads.append(threading.current_thread()) or parse(wire))
-    cache, limits = codec.SpecCache(), Limits()
+    parse = specs._parse_spec
+    monkeypatch.setattr(specs, "_parse_spec", lambda wire: threads.append(threading.current_thread()) or parse(wire))
+    cache, limits = specs.SpecCache(), Limits()
     small = pb.JoinRequest(spec=pb.JobSpec(world_size=2))
     big = pb.JoinRequest(spec=pb.JobSpec(world_size=1024))
     big.spec.groups.extend(pb.GroupRule(mode=f"G{i}", named=pb.NamedGroups(groups=[pb.RankList(ranks=[i])])) for i in range(300))
-    assert big.spec.ByteSize() > codec.SpecCache.INLINE_BYTES
+    assert big.spec.ByteSize() > specs.SpecCache.INLINE_BYTES
     assert (await cache.spec_of(small, limits)).world_size == 2
     assert len((await cache.spec_of(big, limits)).rules) == 300
     assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()  # the big one in a worker
@@ -720,12 +720,12 @@ async def test_the_spec_cache_keeps_valid_specs_only_and_parses_big_ones_off_the
         with pytest.raises(BadRequest):
             await cache.spec_of(bad, limits)
     assert len(threads) == 4 and len(cache._specs) == 2  # a rejected spec is parsed each time, never kept
-    for n in range(3, 3 + codec.SpecCache.SIZE):
+    for n in range(3, 3 + specs.SpecCache.SIZE):
         await cache.spec_of(pb.JoinRequest(spec=pb.JobSpec(world_size=n)), limits)
-    assert len(cache._specs) == codec.SpecCache.SIZE
+    assert len(cache._specs) == specs.SpecCache.SIZE
     threads.clear()
     big.spec.world_size = 2048  # a new big spec, sent by a burst of workers at once: parsed once
-    fresh = codec.SpecCache()
+    fresh = specs.SpecCache()
     specs = await asyncio.gather(fresh.spec_of(big, limits), *(cache.spec_of(big, limits) for _ in range(20)))
     assert len(threads) == 2 and all(s == specs[0] for s in specs) and specs[1] is specs[-1]
     parsers = set(threads)

@@ -23,7 +23,7 @@ from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobEvent, JobState
 from commctx.server.rendezvous.params import JoinParams, job_secret_digest, secret_digest
 from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
-from commctx.server.rendezvous.sqlite import SqliteStore
+from commctx.server.rendezvous.sqlite import SCHEMA_VERSION, SqliteStore
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from commctx.server.rendezvous.store import (
@@ -136,6 +136,16 @@ def test_roundtrip(make_store):
     assert (j.since, loaded[1].since, loaded[1].retained_until) == (0.0, 1_800_000_000.25, 1_800_000_060.5)
 
 
+def test_a_host_membership_round_trips_with_its_workers(make_store):
+    s = make_store()
+    host = MemberRecord("mh", 5, "h1", "10.0.0.5", 29500, None, None, "", secret_digest("ab" * 16), 3,
+                        ((1, "trainer", None), (2, "rollout", 0), (4, "rollout", None)))
+    s.commit([PutJob(JobRecord("j", SPEC, "forming", 0, "", None)), PutMember("j", host)], s.take_over())
+    s.close()
+    (job,) = make_store().load()
+    assert job.members == (host,)
+
+
 def test_writes_apply_in_order(make_store):
     s = make_store()
     epoch = s.take_over()
@@ -209,7 +219,7 @@ def old_database(tmp_path: pathlib.Path, version: int) -> pathlib.Path:
 def test_a_first_release_database_is_migrated(tmp_path):
     directory = old_database(tmp_path, 1)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 5  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
     restored, _ = machine.restore(store.load(), grace_s=10)
     assert restored == 4
@@ -245,7 +255,7 @@ def test_a_first_release_database_is_migrated(tmp_path):
 def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(tmp_path):
     directory = old_database(tmp_path, 2)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 5  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION  # noqa: SLF001
     machine = Rendezvous(lease_ttl_s=10)
     assert machine.restore(store.load(), grace_s=10)[0] == 2
     assert dict(machine.world_of("pair").plan.ranks) == {"00000000000000a1": 0, "00000000000000a2": 1}
@@ -269,7 +279,7 @@ def test_a_schema_2_database_is_migrated_and_its_members_renew_without_a_secret(
 def test_a_schema_3_database_is_migrated_and_its_members_are_single_workers(tmp_path):
     directory = old_database(tmp_path, 3)
     store = SqliteStore(directory)
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 5  # noqa: SLF001
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION  # noqa: SLF001
     assert {m.member_id: m.workers for j in store.load() for m in j.members} == {
         "00000000000000b1": 1, "00000000000000b2": 1, "00000000000000b3": 1}
     machine = Rendezvous(lease_ttl_s=10)
@@ -281,6 +291,21 @@ def test_a_schema_3_database_is_migrated_and_its_members_are_single_workers(tmp_
                                                   address="10.0.1.7", port=29700))
     assert machine.world_of("waiting") is not None
     store.commit(actions.writes, store.take_over())
+    store.close()
+
+
+def test_a_schema_5_database_is_migrated_and_its_members_hold_no_host_workers(tmp_path):
+    store = SqliteStore(tmp_path)
+    store.commit([PutJob(JobRecord("j", SPEC, "forming", 0, "", None)), PutMember("j", member("m1", 1))], store.take_over())
+    store.close()
+    db = sqlite3.connect(tmp_path / "commctx.sqlite3")  # back to schema 5: members without the slots column
+    db.execute("ALTER TABLE members DROP COLUMN slots")
+    db.execute("PRAGMA user_version = 5")
+    db.commit()
+    db.close()
+    store = SqliteStore(tmp_path)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION  # noqa: SLF001
+    assert [m.slots for j in store.load() for m in j.members] == [()]
     store.close()
 
 
@@ -299,7 +324,7 @@ def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     db = sqlite3.connect(future / "commctx.sqlite3")
     db.execute("PRAGMA user_version = 9")
     db.close()
-    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 5"):
+    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 6"):
         SqliteStore(future)
 
 

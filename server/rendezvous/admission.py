@@ -12,8 +12,8 @@ import math
 
 from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refusal, Sealed
 from .actions import Actions
-from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note
-from .params import JoinParams
+from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note, worker_id
+from .params import JoinParams, Slot
 from .shares import JOBS, SERVER, Caller
 from .store import PutJob, PutMember, member_record
 
@@ -69,7 +69,8 @@ class Admission:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
         if job is None:
-            p.spec.check_declared(p.job_id, p.role)
+            for role, _ in p.roles():
+                p.spec.check_declared(p.job_id, role)
             self.shares.take(JOBS, caller)  # last: nothing to give back if it refuses
         now = self._clock()
         actions = Actions()
@@ -134,30 +135,40 @@ class Admission:
             job.node_ranks[p.node_rank] = node.key
         if p.local_rank is not None:
             node.local_ranks[p.local_rank] = member_id
-        if p.workers > 1 or job.spec.nodes:  # a node membership: its node alone
+        if p.workers > 1 or p.slots or job.spec.nodes:  # a node or host membership: its node alone
             node.agent = member_id
-        node.workers += p.workers
-        node.roles[p.role] = node.roles.get(p.role, 0) + p.workers
-        job.role_counts[p.role] = job.role_counts.get(p.role, 0) + p.workers
-        job.workers += p.workers
-        job.version += 1
         member = job.members[member_id] = Member(node, p, seq)
+        Admission._count_in(job, node, member_id, p.slots, p.roles())
         return member
+
+    @staticmethod
+    def _count_in(job: Job, node: Node, member_id: str, slots: tuple[Slot, ...], roles: list[tuple[str, int]]) -> None:
+        """Counts workers joining (a member's, or a host membership's newcomers) in the node, role and job bookkeeping."""
+        for s in slots:
+            if s.local_rank is not None:
+                node.local_ranks[s.local_rank] = worker_id(member_id, s.index)
+        for role, count in roles:
+            node.workers += count
+            node.roles[role] = node.roles.get(role, 0) + count
+            job.role_counts[role] = job.role_counts.get(role, 0) + count
+            job.workers += count
+        job.version += 1
 
     def _reattach(self, job: Job, p: JoinParams) -> tuple[Joined, Actions, NewWorld | None]:
         member = job.members[p.member_id]
-        same = (member.node_key, member.address, member.local_rank, member.node_rank, member.role, member.workers) == (
-            p.node_key, p.address, p.local_rank, p.node_rank, p.role, p.workers)
-        if not same or job.spec != p.spec:
-            raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with other parameters")
+        newcomers = self._newcomers(job, member, p)
         if member.secret != p.secret:
             raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with another member_secret; "
                            f"re-attach with the same one, or join with a new member_id")
         actions = Actions()
+        if newcomers:
+            self._admit_workers(job, p.member_id, member, newcomers, actions)
         joined = Joined(job.job_id, p.member_id, self.lease_ttl_s, job.workers)
-        if job.in_world(p.member_id):
+        if job.seated(p.member_id, member) == member.workers:
             if job.state is JobState.FORMED:
-                return joined, actions, NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
+                return joined, actions, job.world()
+            return joined, actions, None
+        if job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
             return joined, actions, None
         member.lease, member.lease_deadline = Lease.IN_JOIN, math.inf  # bound to this call again
         if member.port != p.port:
@@ -166,6 +177,51 @@ class Admission:
             actions.writes.append(PutMember(job.job_id, member_record(p.member_id, member)))
         self._maybe_form(job, actions)
         return joined, actions, None
+
+    def _newcomers(self, job: Job, member: Member, p: JoinParams) -> tuple[Slot, ...]:
+        """The workers a host membership's re-attaching Join adds (every worker
+        it held must be listed again, alike); () for any other member.
+
+        Raises:
+            Conflict: the Join differs from the first in anything else.
+        """
+        same = (member.node_key, member.address, member.local_rank, member.node_rank, member.role) == (
+            p.node_key, p.address, p.local_rank, p.node_rank, p.role)
+        if same and job.spec == p.spec and bool(member.slots) == bool(p.slots):
+            if not p.slots and member.workers == p.workers:
+                return ()
+            held = {s.index: s for s in member.slots}
+            given = {s.index: s for s in p.slots}
+            if p.slots and all(given.get(i) == s for i, s in held.items()):
+                return tuple(s for s in p.slots if s.index not in held)
+        raise Conflict(f"member {p.member_id} of job {job.job_id!r} joined before with other parameters")
+
+    def _admit_workers(self, job: Job, member_id: str, member: Member, newcomers: tuple[Slot, ...], actions: Actions) -> None:
+        """A host membership's newcomers join: as joiners are admitted, counted
+        and, in a formed world, grow it (the membership's lease runs on).
+
+        Raises:
+            Conflict, Closed, Full: as for a Join (_check_admissible). (Their local ranks
+                are the membership's to give: the Join's list was checked whole.)
+        """
+        node = job.nodes[member.node_key]
+        p = JoinParams(job.job_id, job.spec, member.node_key, member.address, member.port, workers=len(newcomers),
+                       slots=newcomers)
+        self._check_admissible(job, p)
+        member.slots += newcomers
+        member.workers += len(newcomers)
+        self._count_in(job, node, member_id, newcomers, p.roles())
+        job.last_arrival = self._clock()
+        actions.writes.append(PutMember(job.job_id, member_record(member_id, member)))
+        self._event(job, EventKind.JOINED, f"{len(newcomers)} worker{'s' * (len(newcomers) > 1)} of host {member.node_key!r} "
+                                           f"joined; {job.count()}", actions, member=member_id, node=member.node_key,
+                    workers=len(newcomers))
+        if job.state is JobState.FORMED and self._grows(job):
+            waiting = job.workers - job.placed
+            self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
+        elif job.state is JobState.FORMING:
+            self._maybe_form(job, actions)
+        self._arm_last_call(job)
 
     def _check_seal(self, job: Job, p: JoinParams, caller: Caller) -> None:
         self.guesses.check(caller, job.job_id)
@@ -197,14 +253,15 @@ class Admission:
                 )
             raise Full(f"job {job.job_id!r} has {job.workers} of {job.spec.world_size} workers; node {p.node_key!r} "
                           f"cannot add {p.workers} more")
-        job.spec.check_declared(job.job_id, p.role)
-        declared = job.spec.role_count(p.role)
-        held = job.role_counts.get(p.role, 0)
-        if declared is not None and held + p.workers > declared:
-            if held >= declared:
-                raise Full(f"job {job.job_id!r} already has all {declared} workers of role {p.role!r}")
-            raise Full(f"job {job.job_id!r} has {held} of its {declared} workers of role {p.role!r}; "
-                          f"node {p.node_key!r} cannot add {p.workers} more")
+        for role, count in p.roles():
+            job.spec.check_declared(job.job_id, role)
+            declared = job.spec.role_count(role)
+            held = job.role_counts.get(role, 0)
+            if declared is not None and held + count > declared:
+                if held >= declared:
+                    raise Full(f"job {job.job_id!r} already has all {declared} workers of role {role!r}")
+                raise Full(f"job {job.job_id!r} has {held} of its {declared} workers of role {role!r}; "
+                              f"node {p.node_key!r} cannot add {count} more")
         if p.loopback != job.loopback:
             first = next(iter(job.nodes.values()))
             raise Conflict(
@@ -215,7 +272,7 @@ class Admission:
 
     @staticmethod
     def _check_node(job: Job, node: Node, p: JoinParams) -> None:
-        if node.agent or p.workers > 1:
+        if node.agent or p.workers > 1 or p.slots:
             raise AlreadyExists(f"node {node.key!r} of job {job.job_id!r} is already joined"
                                 f"{' as a whole node by its launcher' if node.agent else ''}; a node membership "
                                 f"(workers > 1) holds its node alone")

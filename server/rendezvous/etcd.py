@@ -155,6 +155,7 @@ def records_of(jobs: Sequence[bytes], members: Sequence[bytes], events: Sequence
     for value in members:
         m = json.loads(value)
         job_id = m.pop("job_id")
+        m["slots"] = tuple(map(tuple, m.get("slots", ())))
         by_job.setdefault(job_id, []).append(MemberRecord(**m))
     history: dict[str, list[JobEvent]] = {}
     for value in events:

@@ -11,7 +11,7 @@ import logging
 from commctx.common.planning import Candidate, JobSpec, PlanError, WorldPlan, elide, plan_world
 
 from .actions import Actions
-from .model import EventKind, Gone, Job, JobState, JobStopped, Lease, NewWorld, Note, PlanRequest, Reforming
+from .model import EventKind, Gone, Job, JobState, JobStopped, Lease, NewWorld, Note, PlanRequest, Reforming, member_of
 from .store import PutJob, PutMember, member_record
 
 log = logging.getLogger("commctx.server")
@@ -119,14 +119,19 @@ class Forming:
 
     @staticmethod
     def _seats(job: Job) -> dict[str, tuple[int, int]]:
-        """The (node rank, local rank) in the world being replaced of each member still here."""
+        """The (node rank, local rank) in the world being replaced of each
+        member still here, and of each host membership's worker still held
+        (by its worker id)."""
         previous, members = job.plan, job.members
         seats: dict[str, tuple[int, int]] = {}
         if previous is not None:
+            hosts = job.hosts or {}
             for node_rank, node in enumerate(previous.seating.nodes):
-                for local_rank, mid in enumerate(node.members):
-                    if mid in members:
-                        seats[mid] = (node_rank, local_rank)
+                for local_rank, wid in enumerate(node.members):
+                    if wid in members:
+                        seats[wid] = (node_rank, local_rank)
+                    elif hosts and (host := members.get(member_of(wid))) is not None and host.slots:
+                        seats[wid] = (node_rank, local_rank)  # whether the worker is still held: its member's slots say
         return seats
 
     @classmethod
@@ -134,7 +139,12 @@ class Forming:
         """Members in the order the next world takes them: survivors first, in
         their previous rank order (the seating's), then newcomers in join order."""
         seats = cls._seats(job) if seats is None else seats
-        return [*seats, *(mid for mid in job.members if mid not in seats)] if seats else list(job.members)
+        if not seats:
+            return list(job.members)
+        if not job.hosts:  # every seated id is a member's (a node membership's first worker's)
+            return [*seats, *(mid for mid in job.members if mid not in seats)]
+        survivors = dict.fromkeys(member_of(wid) for wid in seats)
+        return [*survivors, *(mid for mid in job.members if mid not in survivors)]
 
     @classmethod
     def _candidates(cls, job: Job, n: int) -> list:
@@ -144,11 +154,11 @@ class Forming:
         candidates: list[Candidate] = []
         for mid in cls._member_order(job, seats):
             m = members[mid]
-            if m.workers == 1:  # most members (ten thousand at a re-form): no list for each
+            if m.workers == 1 and not m.slots:  # most members (ten thousand at a re-form): no list for each
                 if len(candidates) < n:
                     candidates.append(m.candidate(mid, seats.get(mid)))
             elif len(candidates) + m.workers <= n:
-                candidates += m.candidates(mid, seats.get(mid))
+                candidates += m.candidates(mid, seats)
             if len(candidates) == n:
                 break
         return candidates
@@ -202,11 +212,11 @@ class Forming:
         if plan.master_port == 0:
             # Rank 0's spare port serves an earlier world's store and it has
             # not offered another yet: await it like a survivor not heard from.
-            job.suspects.add(plan.seating.nodes[0].members[0])
+            job.suspects.add(member_of(plan.seating.nodes[0].members[0]))
             self._announce(job, actions)
             return
         now = self._clock()
-        previous = job.plan
+        previous, previous_hosts = job.plan, job.hosts or {}
         reason = job.reason if previous is not None else ""
         job.state = JobState.FORMED
         job.generation += 1
@@ -216,24 +226,32 @@ class Forming:
         job.placed = plan.world_size
         members = job.members
         first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
-        for mid in plan.ranks:
-            m = members.get(mid)  # None: a node membership's further workers (worker_id)
-            if m is not None and m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
+        hosts: set[str] = set()
+        for wid in plan.ranks:
+            mid, m = wid, members.get(wid)
+            if m is None:  # a node membership's further workers, or a host membership's (worker_id)
+                mid = member_of(wid)
+                m = members.get(mid)
+                if m is None or not m.slots:
+                    continue
+                hosts.add(mid)
+            if m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
                 m.lease, m.lease_deadline = Lease.FIRST, first_lease
                 self._queue(job.job_id, mid, m, first_lease)
-        rank0 = plan.seating.nodes[0].members[0]
+        job.seat_hosts(hosts)
+        rank0 = member_of(plan.seating.nodes[0].members[0])
         members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
         actions.writes.append(PutMember(job.job_id, member_record(rank0, members[rank0])))
         formed_in_s, job.forming_since = now - job.forming_since, now  # the record keeps the formed world's start
         actions.writes.append(PutJob(self._record(job)))
-        world = NewWorld(job.job_id, job.generation, plan, previous, reason, job.formed_abandoned)
+        world = NewWorld(job.job_id, job.generation, plan, previous, reason, job.formed_abandoned, job.hosts)
         if previous is not None:
             change = Reforming(job.generation - 1, reason, job.formed_abandoned)
             for mid, m in members.items():
                 if m.session is not None:
-                    if mid in plan.ranks:
+                    if world.seats(mid):
                         actions.pushes.append((m.session, world))
-                    elif mid in previous.ranks:  # a survivor this world has no seat for: it waits for the next
+                    elif mid in previous.ranks or mid in previous_hosts:  # a survivor this world has no seat for: it waits
                         actions.pushes.append((m.session, change))
         actions.wakes.append((job.job_id, world))
         actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 
 from ..errors import BadRequest, Stale
 from .actions import Actions
@@ -24,11 +25,12 @@ from .model import (
     Lease,
     Member,
     MemberGone,
-    NewWorld,
     Note,
     Reforming,
     Replaced,
     SessionEvent,
+    member_of,
+    worker_id,
 )
 from .shares import JOBS, SERVER, Caller
 from .store import DeleteJob, DeleteMember, PutJob, PutMember, member_record
@@ -45,7 +47,7 @@ def serves_store(job: Job, member_id: str, port: int) -> bool:
     spare, spent when it became rank 0): offered again (a session opening with
     the port its Join offered, a renewal sent before its new spare), it is no spare."""
     plan = job.plan
-    return plan is not None and plan.master_port == port and plan.seating.nodes[0].members[0] == member_id
+    return plan is not None and plan.master_port == port and member_of(plan.seating.nodes[0].members[0]) == member_id
 
 
 class Leases:
@@ -88,7 +90,7 @@ class Leases:
                                job.state is JobState.CLOSED))
         elif job.in_world(member_id):
             if job.state is JobState.FORMED and generation < job.generation:
-                missed.append(NewWorld(job_id, job.generation, job.plan, job.previous_plan, job.reason, job.formed_abandoned))
+                missed.append(job.world(job.previous_plan))
             elif job.state is JobState.FORMING and job.announced:
                 missed.append(Reforming(job.generation, job.reason, job.abandoned))
         member.session = sink
@@ -199,6 +201,59 @@ class Leases:
         for mid in detached:
             if mid in job.members:  # not gone with the job (a world below its minimum fails, taking every member)
                 self._remove(job, mid, BROKE_OFF, actions)
+        return actions
+
+    def remove_workers(self, job_id: str, member_id: str, indexes: Iterable[int], why: str) -> Actions:
+        """Workers of a host membership are gone (`why`: DISCONNECTED, their
+        process ended; "left"): they leave its seat as single members would,
+        the world re-forming around them by the rank rule; the membership
+        keeps its lease and its other workers. Its last worker takes the
+        membership with it. Indexes it does not hold are ignored.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._job(job_id)
+        member = self._member(job, member_id)
+        actions = Actions()
+        wanted = set(indexes)
+        gone = tuple(s for s in member.slots if s.index in wanted)
+        if not gone:
+            return actions
+        if len(gone) == len(member.slots):
+            self._remove(job, member_id, why, actions)
+            return actions
+        ranks = job.plan.ranks if job.plan is not None else {}
+        seated = [(s, ranks.get(worker_id(member_id, s.index))) for s in gone]
+        seated = [(s, rank) for s, rank in seated if rank is not None]
+        member.slots = tuple(s for s in member.slots if s.index not in wanted)
+        member.workers -= len(gone)
+        node = job.nodes[member.node_key]
+        for s in gone:
+            if s.local_rank is not None:
+                node.local_ranks.pop(s.local_rank, None)
+            node.roles[s.role] -= 1
+            job.role_counts[s.role] -= 1
+        node.workers -= len(gone)
+        job.workers -= len(gone)
+        job.placed -= len(seated)
+        job.version += 1
+        actions.writes.append(PutMember(job_id, member_record(member_id, member)))
+        said = "left" if why == "left" else "disconnected: its process ended without a leave"
+        kind = EventKind.LEFT if why == "left" else EventKind.LOST
+        for s in gone:
+            rank = ranks.get(worker_id(member_id, s.index))
+            where = f"node {member.node_key!r}" + (f", rank {rank}" if rank is not None else "")
+            actions.notes.append(Note("removed", {"job": job_id, "member": member_id, "worker": s.index, "why": why}))
+            self._event(job, kind, f"worker {s.index} of host member {member_id} ({where}) {said}", actions,
+                        member=member_id, worker=s.index, node=member.node_key, rank=rank, why=why)
+        if seated and job.generation > 0 and job.state in (JobState.FORMED, JobState.FORMING):
+            (first, rank), more = seated[0], len(seated) - 1
+            what = (f"worker {first.index} of host member {member_id} (node {member.node_key!r}, rank {rank})"
+                    f"{f' and {more} more' if more else ''} {said}")
+            self._lost(job, member_id, member, why, actions, what)
+        elif job.state is JobState.FORMING:
+            self._maybe_form(job, actions)
         return actions
 
     def restart(self, job_id: str, member_id: str, generation: int) -> Actions:
@@ -320,23 +375,27 @@ class Leases:
         member = job.members.pop(member_id)
         self._members -= 1
         job.version += 1
-        in_world = job.in_world(member_id)
-        job.placed -= in_world * member.workers
+        in_world = job.in_world(member_id, member)
+        job.placed -= job.seated(member_id, member)
         job.workers -= member.workers
         job.suspects.discard(member_id)
         node = job.nodes[member.node_key]
         node.workers -= member.workers
-        node.roles[member.role] -= member.workers
-        job.role_counts[member.role] -= member.workers
+        for role, count in member.roles():
+            node.roles[role] -= count
+            job.role_counts[role] -= count
         if member.local_rank is not None:
             node.local_ranks.pop(member.local_rank, None)
+        for s in member.slots:
+            if s.local_rank is not None:
+                node.local_ranks.pop(s.local_rank, None)
         if node.workers == 0:
             del job.nodes[node.key]
             if node.node_rank is not None:
                 job.node_ranks.pop(node.node_rank, None)
         actions.writes.append(DeleteMember(job.job_id, member_id))
         actions.notes.append(Note("removed", {"job": job.job_id, "member": member_id, "why": why}))
-        rank = job.plan.ranks.get(member_id) if in_world else None
+        rank = job.rank_of(member_id, member) if in_world else None
         where = f"node {member.node_key!r}" + (f", rank {rank}" if rank is not None else "")
         said = "withdrew (its Join call ended before it was placed)" if why == "withdrawn" else _SAID.get(why, why)
         self._event(job, EventKind.LEFT if why in ("left", "withdrawn") else EventKind.LOST,
@@ -372,11 +431,12 @@ class Leases:
             actions.events.append((oldest, None))
         self._tombstones.push(until, job.job_id)
 
-    def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions) -> None:
-        """A member of a formed (or re-forming) world is gone."""
+    def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions, what: str = "") -> None:
+        """A member of a formed (or re-forming) world is gone (`what` says so
+        when it is a host membership's worker that is)."""
         job.abandoned |= why != "left"
-        rank = job.plan.ranks.get(member_id)
-        what = f"member {member_id} (node {member.node_key!r}, rank {rank}) {_SAID.get(why, why)}"
+        rank = job.rank_of(member_id, member)
+        what = what or f"member {member_id} (node {member.node_key!r}, rank {rank}) {_SAID.get(why, why)}"
         n, unit = (job.units, "node") if job.spec.nodes else (job.workers, "worker")
         remain = f"{n} {unit}{'s' * (n != 1)} remain{'s' * (n == 1)}"
         if job.units < job.spec.min_world and why == "left":  # members leaving: the job is finishing

@@ -9,7 +9,7 @@ import collections
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from commctx.common.planning import Candidate, JobSpec, Placement, PlannedGroup, WorldPlan
@@ -108,6 +108,7 @@ class Seat(NamedTuple):
     previous_rank: int | None = None
     reason: str = ""  # why this generation formed ("" for a job's first world)
     previous_lost: bool = False  # members of the previous world went without a Leave
+    worker: int = 0  # a host membership's worker: its index
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,15 +124,25 @@ class NewWorld:
     previous: WorldPlan | None  # the world it replaces
     reason: str = ""
     lost: bool = False  # members of the world it replaces went without a Leave
+    hosts: Mapping[str, tuple[int, ...]] | None = None  # seated host memberships' worker indexes (None: none)
 
-    def assignment_for(self, member_id: str) -> Seat | None:
+    def seats(self, member_id: str) -> bool:
+        """Whether the member sits in this world (whole: members are seated whole or not at all)."""
+        return member_id in self.plan.ranks or (self.hosts is not None and member_id in self.hosts)
+
+    def assignment_for(self, member_id: str, worker: int = 0) -> Seat | None:
+        """The seat of `member_id` (a seated worker's id: worker_id), whose host worker index is `worker`."""
         p = self.plan.placement(member_id)
         if p is None:
             return None
         before = self.previous.placement(member_id) if self.previous is not None else None
         changed = self.changed_groups(self.plan.groups_of(p), before)
         return Seat(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason,
-                    self.lost)
+                    self.lost, worker)
+
+    def host_seats(self, member_id: str) -> list[Seat]:
+        """A seated host membership's workers' seats, in its order."""
+        return [self.assignment_for(worker_id(member_id, i), i) for i in (self.hosts or {}).get(member_id, ())]
 
     def changed_groups(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> tuple[str, ...]:
         """The modes of `groups` (a worker's in this world) whose members differ
@@ -205,7 +216,7 @@ class Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
     __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease", "lease_deadline", "queued",
-                 "generation", "session", "secret", "workers")
+                 "generation", "session", "secret", "workers", "slots")
 
     def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
         self.node_key = node.key
@@ -222,6 +233,22 @@ class Member:
         self.session: Any = None  # the open session's sink (the executor puts events in it)
         self.secret = p.secret  # digest of its secret ("": none)
         self.workers = p.workers  # >1: a node membership, seated as local ranks 0..workers-1 (worker_id)
+        self.slots = p.slots  # a host membership's workers, each seated as "<member id>/<index>"; () otherwise
+
+    def roles(self) -> list[tuple[str, int]]:
+        """The workers it holds, as (role, how many)."""
+        if not self.slots:
+            return [(self.role, self.workers)]
+        counts: dict[str, int] = {}
+        for s in self.slots:
+            counts[s.role] = counts.get(s.role, 0) + 1
+        return list(counts.items())
+
+    def worker_ids(self, member_id: str) -> list[str]:
+        """The ids its workers are seated under."""
+        if self.slots:
+            return [worker_id(member_id, s.index) for s in self.slots]
+        return [worker_id(member_id, i) for i in range(self.workers)]
 
     def candidate(self, member_id: str, seat: tuple[int, int] | None = None) -> Candidate:
         """A single-worker member as the planner sees it; `seat` is its (node
@@ -229,19 +256,32 @@ class Member:
         return Candidate(member_id, self.node_key, self.address, self.port, self.local_rank, self.node_rank, self.role,
                          *(seat or (None, None)))
 
-    def candidates(self, member_id: str, seat: tuple[int, int] | None = None) -> list[Candidate]:
-        """This member's workers as the planner sees them (`candidate`, for each worker)."""
+    def candidates(self, member_id: str, seats: Mapping[str, tuple[int, int]]) -> list[Candidate]:
+        """This member's workers as the planner sees them, with their (node
+        rank, local rank) in the world being replaced (`seats`, by worker id):
+        a host membership's each its own, a node membership's its node's."""
+        if self.slots:
+            return [Candidate(wid, self.node_key, self.address, self.port, s.local_rank, self.node_rank, s.role,
+                              *seats.get(wid, (None, None))) for s, wid in zip(self.slots, self.worker_ids(member_id))]
+        seat = seats.get(member_id)
         if self.workers == 1:
             return [self.candidate(member_id, seat)]
         return [Candidate(worker_id(member_id, i), self.node_key, self.address, self.port, i, self.node_rank, self.role,
                           seat[0] if seat else None) for i in range(self.workers)]
 
 
-def worker_id(member_id: str, local_rank: int) -> str:
-    """The id under which worker `local_rank` of a node membership is seated:
-    the member id itself for local rank 0 (so the membership's placement is its
-    first worker's), "<member id>/<local rank>" for the others (never a member id)."""
-    return member_id if local_rank == 0 else f"{member_id}/{local_rank}"
+def worker_id(member_id: str, index: int) -> str:
+    """The id under which a worker is seated: for a node membership's worker of
+    local rank `index`, the member id itself for 0 (so the membership's
+    placement is its first worker's) and "<member id>/<index>" for the others;
+    for a host membership's worker `index` (from 1), "<member id>/<index>".
+    Never a member id but for a node membership's first worker."""
+    return member_id if index == 0 else f"{member_id}/{index}"
+
+
+def member_of(worker: str) -> str:
+    """The member id of a seated worker's id (worker_id's inverse)."""
+    return worker.partition("/")[0]
 
 
 class Node:
@@ -262,7 +302,7 @@ class Job:
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
         "last_call_armed", "version", "planning", "seal", "node_order", "workers", "events", "refused", "creator",
-        "failed", "abandoned", "formed_abandoned",
+        "failed", "abandoned", "formed_abandoned", "hosts",
     )
 
     def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
@@ -298,6 +338,7 @@ class Job:
         # it, and its survivors end them (Reforming.lost, NewWorld.lost).
         self.abandoned = False
         self.formed_abandoned = False  # `abandoned` of the world this generation replaced
+        self.hosts: dict[str, tuple[int, ...]] | None = None  # host memberships seated in `plan`: their workers' indexes
 
     @property
     def units(self) -> int:
@@ -310,9 +351,46 @@ class Job:
             return f"{len(self.members)} of {self.spec.world_size} nodes ({self.workers} workers)"
         return f"{self.workers} of {self.spec.world_size} workers"
 
-    def in_world(self, member_id: str) -> bool:
-        """Whether the member holds a seat in `plan` (the current world, or the one being replaced)."""
-        return self.plan is not None and member_id in self.plan.ranks
+    def in_world(self, member_id: str, member: Member | None = None) -> bool:
+        """Whether the member holds a seat in `plan` (the current world, or the
+        one being replaced); a host membership's workers are seated under
+        ids of their own (`member`: the member, when it is no longer held)."""
+        plan = self.plan
+        if plan is None:
+            return False
+        if member_id in plan.ranks:
+            return True
+        m = member or self.members.get(member_id)
+        return m is not None and any(worker_id(member_id, s.index) in plan.ranks for s in m.slots)
+
+    def seated(self, member_id: str, member: Member) -> int:
+        """How many of the member's workers sit in `plan`."""
+        if self.plan is None:
+            return 0
+        if not member.slots:
+            return member.workers if member_id in self.plan.ranks else 0
+        return sum(worker_id(member_id, s.index) in self.plan.ranks for s in member.slots)
+
+    def rank_of(self, member_id: str, member: Member) -> int | None:
+        """The member's (first seated worker's) global rank in `plan`, if seated."""
+        if self.plan is None:
+            return None
+        for wid in member.worker_ids(member_id) if member.slots else (member_id,):
+            rank = self.plan.ranks.get(wid)
+            if rank is not None:
+                return rank
+        return None
+
+    def seat_hosts(self, member_ids: Iterable[str]) -> None:
+        """Sets `hosts`: which workers of these host memberships sit in `plan`, in each one's order."""
+        ranks, members = self.plan.ranks, self.members
+        hosts = {mid: tuple(s.index for s in members[mid].slots if worker_id(mid, s.index) in ranks) for mid in member_ids}
+        self.hosts = {mid: seated for mid, seated in hosts.items() if seated} or None
+
+    def world(self, previous: WorldPlan | None = None) -> NewWorld:
+        """`plan` as the world of this generation (for a late session: with the one it replaced)."""
+        return NewWorld(self.job_id, self.generation, self.plan, previous, self.reason,
+                        self.formed_abandoned if previous is not None else False, self.hosts)
 
     def survivors(self) -> list[str]:
         """Members seated in `plan` that are still here."""

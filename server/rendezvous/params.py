@@ -75,6 +75,14 @@ def secret_matches(digest: str, secret: str) -> bool:
     return MEMBER_SECRET.fullmatch(secret) is not None and hmac.compare_digest(digest, secret_digest(secret))
 
 
+class Slot(NamedTuple):
+    """One worker of a host membership (JoinRequest.host_workers)."""
+
+    index: int  # at least 1, never reused within the membership: seated as "<member id>/<index>"
+    role: str = ""
+    local_rank: int | None = None  # fixed by its launcher, or None: the server's to choose
+
+
 class JoinParams(NamedTuple):
     """A validated join request. Build with `JoinParams.build`."""
 
@@ -91,11 +99,21 @@ class JoinParams(NamedTuple):
     secret: str = ""  # digest of the member secret ("": none, as for members of schema 2)
     seal: str = ""  # digest of the job secret ("": an open job)
     workers: int = 1  # >1: a node membership (a launcher's agent) holding local ranks 0..workers-1 of its node
+    slots: tuple[Slot, ...] = ()  # a host membership's workers (then `workers` counts them; role, local_rank unset)
+
+    def roles(self) -> list[tuple[str, int]]:
+        """The workers it brings, as (role, how many)."""
+        if not self.slots:
+            return [(self.role, self.workers)]
+        counts: dict[str, int] = {}
+        for s in self.slots:
+            counts[s.role] = counts.get(s.role, 0) + 1
+        return list(counts.items())
 
     @classmethod
     def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
               node_rank: int | None = None, role: str = "", member_id: str = "", member_secret: str = "",
-              job_secret: str = "", workers: int = 1) -> JoinParams:
+              job_secret: str = "", workers: int = 1, slots: tuple[Slot, ...] = ()) -> JoinParams:
         """Validates a join request.
 
         Raises:
@@ -133,6 +151,41 @@ class JoinParams(NamedTuple):
                                   f"a node membership holds local ranks 0..{workers - 1}")
         if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
             raise BadRequest(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
+        if slots:
+            _check_slots(slots, spec, role, local_rank, workers)
+            workers = len(slots)
         secret = secret_digest(member_secret) if member_secret else ""
         seal = job_secret_digest(job_secret) if job_secret else ""
-        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal, workers)
+        return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal, workers,
+                   tuple(slots))
+
+
+def _check_slots(slots: tuple[Slot, ...], spec: JobSpec, role: str, local_rank: int | None, workers: int) -> None:
+    """A host membership's workers: the request's own role, local_rank and workers unset; each worker's valid.
+
+    Raises:
+        BadRequest: naming the first bad field and its value.
+    """
+    if spec.nodes:
+        raise BadRequest("host_workers cannot be given in a job of nodes: there each Join is a node (workers)")
+    for name, value in (("role", role), ("local_rank", local_rank), ("workers", workers if workers != 1 else None)):
+        if value:
+            raise BadRequest(f"{name} {value!r} cannot be given with host_workers: each host worker has its own")
+    most = min(spec.world_size, MAX_NODE_WORKERS)
+    if len(slots) > most:
+        raise BadRequest(f"host_workers lists {len(slots)} workers; at most {most} "
+                         f"(world_size {spec.world_size}; a host membership holds at most {MAX_NODE_WORKERS})")
+    indexes: set[int] = set()
+    ranks: set[int] = set()
+    for s in slots:
+        if s.index < 1 or s.index in indexes:
+            raise BadRequest(f"host_workers index {s.index} is {'below 1' if s.index < 1 else 'given twice'}: "
+                             f"each worker of a host membership has its own, from 1")
+        indexes.add(s.index)
+        if s.role:
+            check_role(s.role)
+        if s.local_rank is not None:
+            if s.local_rank >= spec.world_size or s.local_rank in ranks:
+                raise BadRequest(f"host_workers local_rank {s.local_rank} of worker {s.index} is "
+                                 f"{'given twice' if s.local_rank in ranks else f'not below world_size {spec.world_size}'}")
+            ranks.add(s.local_rank)

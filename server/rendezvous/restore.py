@@ -14,7 +14,7 @@ from commctx.common.planning import build_plan
 
 from .actions import Actions
 from .model import Job, JobState, Lease
-from .params import JoinParams
+from .params import JoinParams, Slot
 from .shares import SERVER
 from .store import DeleteJob, JobRecord
 
@@ -48,14 +48,16 @@ class Restoring:
                 job.plan = build_plan(record.world, spec.at_size(record.world.world_size))
             for mr in record.members:
                 p = JoinParams(job.job_id, spec, mr.node_key, mr.address, mr.port, mr.local_rank, mr.node_rank, False, mr.role,
-                               mr.member_id, mr.secret, "", mr.workers)
+                               mr.member_id, mr.secret, "", mr.workers, tuple(Slot(*s) for s in mr.slots))
                 m = self._add_member(job, mr.member_id, p, mr.seq)
                 self._members += 1
                 placed = job.in_world(mr.member_id)
-                job.placed += placed * m.workers
+                job.placed += job.seated(mr.member_id, m)
                 m.lease, m.lease_deadline = Lease.FIRST, now + (self.lease_ttl_s if placed else 0) + grace_s
                 self._queue(job.job_id, mr.member_id, m, m.lease_deadline)
                 self._seq = max(self._seq, mr.seq)
+            if job.plan is not None:
+                job.seat_hosts(mid for mid, m in job.members.items() if m.slots)
             if not job.members:
                 if job.state in (JobState.FAILED, JobState.CLOSED) and record.retained_until > wall:
                     self._retain(job, record.retained_until - wall, actions)

@@ -1,9 +1,10 @@
 """The SQLite store: one file under the state directory, in WAL mode.
 
-Schema version 5 (`PRAGMA user_version`), named columns throughout; specs and
+Schema version 6 (`PRAGMA user_version`), named columns throughout; specs and
 seatings are JSON objects with named fields (store.py); members keep the
-SHA-256 digest of their secret; each job's history is a table of events.
-Older files are migrated in place when opened: version 4 (no events), 3 (no
+SHA-256 digest of their secret, and a host membership its workers (JSON);
+each job's history is a table of events. Older files are migrated in place
+when opened: version 5 (no host memberships), 4 (no events), 3 (no
 node memberships, forming times or kept failed jobs), 2 (no member secrets)
 and 1 (the first release's: the spec as the wire message's bytes, worlds as
 positional JSON tuples).
@@ -66,7 +67,7 @@ from .store import (
     spec_json,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 FILE_NAME = "commctx.sqlite3"
 LOCK_NAME = "commctx.lock"
 
@@ -81,7 +82,7 @@ _SCHEMA = """
         job_id TEXT NOT NULL, member_id TEXT NOT NULL, seq INTEGER NOT NULL,
         node_key TEXT NOT NULL, address TEXT NOT NULL, port INTEGER NOT NULL,
         local_rank INTEGER, node_rank INTEGER, role TEXT NOT NULL,
-        secret TEXT NOT NULL DEFAULT '', workers INTEGER NOT NULL DEFAULT 1,
+        secret TEXT NOT NULL DEFAULT '', workers INTEGER NOT NULL DEFAULT 1, slots TEXT NOT NULL DEFAULT '',
         PRIMARY KEY (job_id, member_id));
 """
 _EVENTS_TABLE = """
@@ -95,8 +96,8 @@ _SCHEMA += _EVENTS_TABLE
 _PUT_JOB = ("INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world, secret, since, retained_until) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _PUT_MEMBER = (
-    "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret, workers) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret, workers, "
+    "slots) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _DELETE_MEMBER = "DELETE FROM members WHERE job_id = ? AND member_id = ?"
 _PUT_EVENT = "INSERT OR REPLACE INTO events (job_id, seq, time, kind, generation, message, fields) VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -148,12 +149,14 @@ class SqliteStore(Store):
             raise StoreError(f"{self.path} has schema version {version}; this server reads up to {SCHEMA_VERSION}")
         db.execute("BEGIN IMMEDIATE")
         try:
-            if version in (2, 3, 4):
+            if version in (2, 3, 4, 5):
                 if version == 2:
                     _migrate_v2(db)
                 if version <= 3:
                     _migrate_v3(db)
-                _migrate_v4(db)
+                if version <= 4:
+                    _migrate_v4(db)
+                _migrate_v5(db)
             elif "jobs" in tables:
                 _migrate_v1(db)
             else:
@@ -200,10 +203,10 @@ class SqliteStore(Store):
             db = self._connection()
             members: dict[str, list[MemberRecord]] = {}
             rows = db.execute(
-                "SELECT job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret, workers "
+                "SELECT job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret, workers, slots "
                 "FROM members ORDER BY seq")
-            for job_id, *fields in rows:
-                members.setdefault(job_id, []).append(MemberRecord(*fields))
+            for job_id, *fields, slots in rows:
+                members.setdefault(job_id, []).append(MemberRecord(*fields, tuple(map(tuple, json.loads(slots))) if slots else ()))
             events: dict[str, list[JobEvent]] = {}
             for job_id, *fields in db.execute(
                     "SELECT job_id, seq, time, kind, generation, message, fields FROM events ORDER BY job_id, seq"):
@@ -290,7 +293,7 @@ def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
         run = writes[start:i]
         kind = type(run[0])
         if kind is PutMember:
-            db.executemany(_PUT_MEMBER, [(w.job_id, *w.record) for w in run])
+            db.executemany(_PUT_MEMBER, [(w.job_id, *w.record[:-1], _slots_json(w.record.slots)) for w in run])
         elif kind is PutJob:
             db.executemany(_PUT_JOB, [_job_row(w.record) for w in run])
         elif kind is DeleteMember:
@@ -310,6 +313,10 @@ def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
 def _job_row(job: JobRecord) -> tuple:
     world = json.dumps(seating_record(job.world), separators=(",", ":")) if job.world is not None else None
     return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world, job.seal, job.since, job.retained_until)
+
+
+def _slots_json(slots: tuple) -> str:
+    return json.dumps([list(s) for s in slots], separators=(",", ":")) if slots else ""
 
 
 def _migrate_v2(db: sqlite3.Connection) -> None:
@@ -334,6 +341,12 @@ def _migrate_v4(db: sqlite3.Connection) -> None:
     """Schema 4 -> 5, inside the caller's transaction: each job's history of
     events (the jobs of schema 4 start with none)."""
     db.execute(_EVENTS_TABLE)
+
+
+def _migrate_v5(db: sqlite3.Connection) -> None:
+    """Schema 5 -> 6, inside the caller's transaction: members gain a host
+    membership's workers (those of schema 5 are none)."""
+    db.execute("ALTER TABLE members ADD COLUMN slots TEXT NOT NULL DEFAULT ''")
 
 
 def _migrate_v1(db: sqlite3.Connection) -> None:
@@ -371,6 +384,7 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
         jobs.append(_job_row(JobRecord(job_id, spec, state, generation, reason, world)))
     db.executemany(_PUT_JOB, jobs)
     db.executemany(_PUT_MEMBER, [
-        (job_id, member_id, seq, node_key, address, 0 if (job_id, member_id) in consumed else port, local_rank, node_rank, role, "", 1)
+        (job_id, member_id, seq, node_key, address, 0 if (job_id, member_id) in consumed else port, local_rank, node_rank, role, "", 1,
+         "")
         for job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role in old_members
     ])

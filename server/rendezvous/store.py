@@ -51,6 +51,7 @@ class MemberRecord(NamedTuple):  # a NamedTuple: one is built per join
     role: str
     secret: str = ""  # SHA-256 digest (hex) of the member secret; "": none (schema 2)
     workers: int = 1  # >1: a node membership (schema 4)
+    slots: tuple = ()  # a host membership's workers, (index, role, local rank) each (schema 6)
 
 
 class JobRecord(NamedTuple):
@@ -242,4 +243,5 @@ def seating_from_record(record: dict[str, Any]) -> Seating:
 
 def member_record(member_id: str, m) -> MemberRecord:
     """The stored form of a member of the state machine (model.Member)."""
-    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role, m.secret, m.workers)
+    return MemberRecord(member_id, m.seq, m.node_key, m.address, m.port, m.local_rank, m.node_rank, m.role, m.secret, m.workers,
+                        tuple(tuple(s) for s in m.slots))

@@ -35,7 +35,7 @@ class Views:
         job = self._jobs.get(job_id)
         if job is None or job.state is not JobState.FORMED:
             return None
-        return NewWorld(job.job_id, job.generation, job.plan, None, job.reason)
+        return job.world()
 
     def describe(self, job_id: str, secret: str | None = None, first_node: int = 0, max_nodes: int | None = None,
                  caller: Caller = SERVER) -> JobView:
@@ -136,11 +136,14 @@ class Views:
             if seats is None:
                 continue
             age = now - (m.lease_deadline - self.lease_ttl_s) if m.lease is Lease.RENEWING else None
-            for i in range(m.workers):
-                wid = worker_id(mid, i)
+            if m.slots:  # a host membership: each worker its own role, and local rank if its launcher fixed one
+                held = [(worker_id(mid, s.index), s.role, s.local_rank) for s in m.slots]
+            else:
+                held = [(worker_id(mid, i), m.role, i if m.workers > 1 else m.local_rank) for i in range(m.workers)]
+            for wid, role, fixed in held:
                 p = plan.placement(wid) if plan is not None else None
-                local = p.local_rank if p is not None else (i if m.workers > 1 else m.local_rank)
-                seats.append(WorkerView(wid, local, p.rank if p is not None else None, m.role, m.lease.value, age))
+                local = p.local_rank if p is not None else fixed
+                seats.append(WorkerView(wid, local, p.rank if p is not None else None, role, m.lease.value, age))
         for seats in out.values():
             seats.sort(key=lambda w: (w.local_rank is None, w.local_rank or 0))
         return out

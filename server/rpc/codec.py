@@ -6,9 +6,6 @@ protobuf."""
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
 import functools
 import logging
 import math
@@ -41,8 +38,8 @@ from ..errors import (
     UnknownToken,
     WaitTimeout,
 )
-from ..rendezvous.model import Gone, JobEvent, JobState, JobView, Limits, NewWorld, Reforming, Seat, SessionEvent, worker_id
-from ..rendezvous.params import JoinParams
+from ..rendezvous.model import Gone, JobEvent, JobState, JobView, NewWorld, Reforming, Seat, SessionEvent, worker_id
+from ..rendezvous.params import JoinParams, Slot
 from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE
 from ..rendezvous.waiting import Placed
 
@@ -124,68 +121,6 @@ def spec_from_message(m: pb.JobSpec) -> JobSpec:
     return JobSpec.from_json(json_format.MessageToDict(m, preserving_proto_field_name=True))
 
 
-class SpecCache:
-    """Specs by their wire bytes: every worker of a job sends the same one, so
-    each is parsed and validated once (the 256 most recent; a spec that fails
-    validation is never kept). Big ones are parsed off the event loop."""
-
-    SIZE = 256
-    INLINE_BYTES = 4096  # larger: parsed in a worker thread (1,024 rules are 10-15 ms of Python)
-
-    def __init__(self) -> None:
-        # One parsing thread, made at the first big spec and shut down by close():
-        # several would each take the GIL from the event loop in turn (20 big specs
-        # at once: 65 ms of loop lag with the default pool, 16 ms inline).
-        self._parser: concurrent.futures.ThreadPoolExecutor | None = None
-        self._specs: collections.OrderedDict[bytes, JobSpec] = collections.OrderedDict()
-        self._parsing: dict[bytes, asyncio.Future[JobSpec]] = {}  # big specs being parsed: one parse for a burst
-
-    async def spec_of(self, r: pb.JoinRequest, limits: Limits) -> JobSpec:
-        """The request's spec, within `limits` (checked before it is parsed).
-
-        Raises:
-            BadRequest: over a limit, or malformed (naming the field).
-            Conflict: a spec no world of its size can satisfy.
-        """
-        size = r.spec.ByteSize()
-        if size > limits.max_spec_bytes:
-            raise BadRequest(f"spec is {size} bytes; at most {limits.max_spec_bytes} allowed (--max-spec-bytes)")
-        rules = len(r.spec.roles) + len(r.spec.groups) + len(r.spec.cpu_twins) + len(r.spec.expected_nodes)
-        if rules > limits.max_spec_rules:
-            raise BadRequest(f"spec has {rules} roles, group rules, cpu twins and expected nodes; "
-                                  f"at most {limits.max_spec_rules} allowed (--max-spec-rules)")
-        wire = r.spec.SerializeToString(deterministic=True)
-        spec = self._specs.get(wire)
-        if spec is not None:
-            self._specs.move_to_end(wire)
-            return spec
-        if size > self.INLINE_BYTES:
-            parsing = self._parsing.get(wire)
-            if parsing is None:
-                if self._parser is None:
-                    self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="commctx-spec")
-                parsing = self._parsing[wire] = asyncio.get_running_loop().run_in_executor(self._parser, _parse_spec, wire)
-                parsing.add_done_callback(lambda _: self._parsing.pop(wire, None))
-            spec = await asyncio.shield(parsing)  # a Join that goes away does not cancel the others' parse
-        else:
-            spec = _parse_spec(wire)
-        self._specs[wire] = spec
-        if len(self._specs) > self.SIZE:
-            self._specs.popitem(last=False)
-        return spec
-
-
-    def close(self) -> None:
-        """Shuts the parsing thread down (parses under way finish; none start)."""
-        if self._parser is not None:
-            self._parser.shutdown(wait=False, cancel_futures=True)
-            self._parser = None
-
-
-def _parse_spec(wire: bytes) -> JobSpec:
-    return spec_from_message(pb.JobSpec.FromString(wire))
-
-
 def spec_to_message(spec: JobSpec) -> pb.JobSpec:
     """The wire form of a spec (for describing jobs)."""
     return json_format.ParseDict(spec.to_json(), pb.JobSpec())
@@ -206,6 +141,7 @@ def join_params(r: pb.JoinRequest, spec: JobSpec) -> JoinParams:
         local_rank=r.local_rank if r.HasField("local_rank") else None,
         node_rank=r.node_rank if r.HasField("node_rank") else None,
         role=r.role, member_id=r.member_id, job_secret=r.job_secret, workers=r.workers or 1,
+        slots=tuple(Slot(w.index, w.role, w.local_rank if w.HasField("local_rank") else None) for w in r.host_workers),
     )
 
 
@@ -230,17 +166,17 @@ def _node_fields(plan: WorldPlan, node_rank: int) -> pb.Assignment:
     return pb.Assignment(node_rank=node_rank, local_world_size=plan.nodes[node_rank].size)
 
 
-def _own_fields(plan: WorldPlan, p: Placement, previous_rank: int | None) -> pb.Assignment:
+def _own_fields(plan: WorldPlan, p: Placement, previous_rank: int | None, worker: int = 0) -> pb.Assignment:
     """The fields of an assignment that are this worker's alone (its node's, changed groups and groups aside)."""
     return pb.Assignment(rank=p.rank, local_rank=p.local_rank, previous_rank=previous_rank,
-                         role=plan.roles[p.rank] if plan.roles else "")
+                         role=plan.roles[p.rank] if plan.roles else "", worker=worker)
 
 
 def fill_assignment(m: pb.Assignment, a: Seat) -> None:
     """Writes `a` into `m` (in place: this runs once per worker of every world)."""
     m.MergeFrom(_shared_fields(a.job_id, a.generation, a.plan, a.reason, a.previous_lost))
     m.MergeFrom(_node_fields(a.plan, a.placement.node_rank))
-    m.MergeFrom(_own_fields(a.plan, a.placement, a.previous_rank))
+    m.MergeFrom(_own_fields(a.plan, a.placement, a.previous_rank, a.worker))
     m.changed_groups.extend(a.changed_groups)
     m.groups.extend([_group_message(g) for g in a.plan.groups_of(a.placement)])
 
@@ -251,12 +187,23 @@ def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
     member_id, world = placed.joined.member_id, placed.world
     response = pb.JoinResponse(member_id=member_id, member_secret=placed.member_secret,
                                lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000))
+    if world.hosts is not None and member_id in world.hosts:  # a host membership: each of its workers'
+        _fill_host(response, world, member_id)
+        return response
     fill_assignment(response.assignment, world.assignment_for(member_id))
     if workers:
         response.worker_assignments.append(response.assignment)
         for i in range(1, workers):
             fill_assignment(response.worker_assignments.add(), world.assignment_for(worker_id(member_id, i)))
     return response
+
+
+def _fill_host(m: pb.JoinResponse | pb.SessionEvent, world: NewWorld, member_id: str):
+    """Writes a host membership's workers' assignments into `m` (`assignment`: the first's)."""
+    for seat in world.host_seats(member_id):
+        fill_assignment(m.worker_assignments.add(), seat)
+    m.assignment.CopyFrom(m.worker_assignments[0])
+    return m
 
 
 class _WorldParts:
@@ -322,6 +269,8 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     plan, previous = world.plan, world.previous
     p = plan.placement(member_id)
     if p is None:
+        if world.hosts is not None and member_id in world.hosts:  # a host membership: every worker's, built whole
+            return _fill_host(pb.SessionEvent(), world, member_id).SerializeToString()
         return None
     parts = _world_parts(world)
     before = previous.placement(member_id) if previous is not None else None

@@ -16,7 +16,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from ..errors import BadRequest, LimitExceeded, NotFound, SessionReplaced, WaitTimeout
 from ..rendezvous.executor import Executor
 from ..rendezvous.machine import Rendezvous
-from ..rendezvous.model import Gone, Replaced
+from ..rendezvous.model import DISCONNECTED, Gone, Replaced
 from ..rendezvous.params import check_job_id, check_member_id
 from ..rendezvous.shares import Caller
 from ..rendezvous.views import MAX_NODE_PAGE_SIZE, NODE_PAGE_SIZE
@@ -24,6 +24,7 @@ from ..rendezvous.waiting import Joining, Waiters
 from ..rendezvous.watching import JOB_GONE, TooSlow
 from . import codec
 from .auth import Callers, caller_of, is_admin, secret_of
+from .specs import SpecCache
 
 T = TypeVar("T")
 
@@ -41,7 +42,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._executor = executor
         self._joining = Joining(machine, executor, waiters)
         self._rpc_error = rpc_error
-        self._specs = codec.SpecCache()
+        self._specs = SpecCache()
 
     def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
         """Answers the call with `exc`'s status; the handler then returns None
@@ -130,6 +131,13 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._restart(job_id, member_id, first.restart_generation, sink)
         if first.failed_generation:  # its collectives failed while its stream was down
             self._executor.submit(self._machine.report_failure(job_id, member_id, first.failed_generation))
+        if first.gone_workers or first.left_workers:  # a host's workers that ended while its stream was down
+            try:
+                self._executor.submit(self._machine.remove_workers(job_id, member_id, first.gone_workers, DISCONNECTED))
+                self._executor.submit(self._machine.remove_workers(job_id, member_id, first.left_workers, "left"))
+            except NotFound as exc:
+                await context.write(pb.SessionEvent(gone=str(exc)))
+                return
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
         self._sinks.add(sink)
         self._machine.shares.live.add(caller, sink.put_nowait)  # a revoked token's session ends (UnknownToken)
@@ -179,6 +187,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 _, actions = self._machine.renew(job_id, member_id, request.generation, request.spare_port)
                 if request.failed_generation:
                     actions.extend(self._machine.report_failure(job_id, member_id, request.failed_generation))
+                if request.gone_workers:
+                    actions.extend(self._machine.remove_workers(job_id, member_id, request.gone_workers, DISCONNECTED))
+                if request.left_workers:
+                    actions.extend(self._machine.remove_workers(job_id, member_id, request.left_workers, "left"))
                 if actions:
                     self._executor.submit(actions)
             except NotFound as exc:

@@ -155,7 +155,7 @@ class RankList(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret", "job_secret", "workers")
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret", "job_secret", "workers", "host_workers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class JoinRequest(_message.Message):
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     node_key: str
@@ -182,7 +183,18 @@ class JoinRequest(_message.Message):
     member_secret: str
     job_secret: str
     workers: int
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+    host_workers: _containers.RepeatedCompositeFieldContainer[HostWorker]
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., workers: _Optional[int] = ..., host_workers: _Optional[_Iterable[_Union[HostWorker, _Mapping]]] = ...) -> None: ...
+
+class HostWorker(_message.Message):
+    __slots__ = ("index", "role", "local_rank")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    role: str
+    local_rank: int
+    def __init__(self, index: _Optional[int] = ..., role: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("member_id", "lease_ttl_ms", "assignment", "member_secret", "worker_assignments")
@@ -199,7 +211,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., member_secret: _Optional[str] = ..., worker_assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason", "previous_lost")
+    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason", "previous_lost", "worker")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +229,7 @@ class Assignment(_message.Message):
     PREVIOUS_RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_LOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
@@ -234,7 +247,8 @@ class Assignment(_message.Message):
     previous_rank: int
     reason: str
     previous_lost: bool
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ..., reason: _Optional[str] = ..., previous_lost: _Optional[bool] = ...) -> None: ...
+    worker: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ..., reason: _Optional[str] = ..., previous_lost: _Optional[bool] = ..., worker: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("mode", "index", "ranks", "cpu_twin", "root")
@@ -267,7 +281,7 @@ class RankRun(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret", "restart_generation", "failed_generation")
+    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret", "restart_generation", "failed_generation", "gone_workers", "left_workers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +289,8 @@ class SessionRequest(_message.Message):
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     RESTART_GENERATION_FIELD_NUMBER: _ClassVar[int]
     FAILED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GONE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -282,23 +298,27 @@ class SessionRequest(_message.Message):
     member_secret: str
     restart_generation: int
     failed_generation: int
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ..., failed_generation: _Optional[int] = ...) -> None: ...
+    gone_workers: _containers.RepeatedScalarFieldContainer[int]
+    left_workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ..., failed_generation: _Optional[int] = ..., gone_workers: _Optional[_Iterable[int]] = ..., left_workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone", "job_ended", "job_closed")
+    __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone", "job_ended", "job_closed", "worker_assignments")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     WORLD_CHANGED_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
     JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
     JOB_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     world_changed: WorldChange
     assignment: Assignment
     gone: str
     job_ended: bool
     job_closed: bool
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ..., job_ended: _Optional[bool] = ..., job_closed: _Optional[bool] = ...) -> None: ...
+    worker_assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., world_changed: _Optional[_Union[WorldChange, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., gone: _Optional[str] = ..., job_ended: _Optional[bool] = ..., job_closed: _Optional[bool] = ..., worker_assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
 class WorldChange(_message.Message):
     __slots__ = ("generation", "reason", "lost")
