@@ -304,7 +304,9 @@ class Hosts:
             raise
 
     def _ip(self, *args: str, undo: Sequence[str] | None = None) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+        done = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if done.returncode != 0:  # say why (a name taken, say), not only the exit status
+            raise RuntimeError(f"ip {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
         if undo:
             self._created.append(list(undo))
 

@@ -152,9 +152,10 @@ def test_a_paused_worker_costs_its_lease_not_the_collective_timeout():
             check_steps(survivors)
         finally:
             os.kill(victim.popen.pid, signal.SIGCONT)
-        # Woken, the paused worker finds its membership gone and stops, saying why; it steps no more.
+        # Woken, the paused worker finds its membership gone and stops, saying why: it may still finish
+        # the step it was stopped in (its all_reduce may have completed), and takes no other.
         before = len(victim.steps)
         code = victim.popen.wait(30)
         victim.pump()
-        assert len(victim.steps) == before
+        assert len(victim.steps) <= before + 1 and {s["world"] for s in victim.steps} == {4}
         assert code != 0 and "MemberNotFound" in victim.log() and "expired" in victim.log(), (code, victim.log())
