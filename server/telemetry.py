@@ -205,6 +205,8 @@ class _StateCollector:
         s = self._stats()
         yield GaugeMetricFamily("commctx_active_jobs", "Jobs held (forming, formed or failed with members)", value=s.jobs)
         yield GaugeMetricFamily("commctx_active_members", "Workers of all jobs (a node membership counts its workers)", value=s.members)
+        yield GaugeMetricFamily("commctx_open_sessions", "Session streams open (one a membership: the workers of a host "
+                                "membership share one)", value=s.sessions)
         yield GaugeMetricFamily("commctx_waiting_members", "Workers whose world has not formed yet", value=s.waiting)
         yield GaugeMetricFamily(
             "commctx_keepalive_age_seconds", "Seconds since the least recently renewed lease was renewed", value=s.oldest_keepalive_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 
 import grpc
@@ -575,12 +576,19 @@ async def test_a_session_that_never_names_its_member_is_closed_after_one_ttl():
     s = await start_server("127.0.0.1", 0, lease_ttl_s=0.5)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
-            call = pb_grpc.RendezvousStub(ch).Session()
-            err = await expect_error(call.read(), Code.DEADLINE_EXCEEDED,
-                                     "no SessionRequest within 0.501 s (the lease TTL, and 1 ms for each open stream)",
+            stub = pb_grpc.RendezvousStub(ch)
+            call = stub.Session()
+            err = await expect_error(call.read(), Code.DEADLINE_EXCEEDED, "no SessionRequest within 0.501 s (the lease TTL, "
+                                     "and 1 ms for each open stream or for each worker of the widest world",
                                      "a session starts by naming its member")
             assert err is not None
-            assert (await pb_grpc.RendezvousStub(ch).ListJobs(pb.ListJobsRequest())).jobs == []  # still serving
+            assert (await stub.ListJobs(pb.ListJobsRequest())).jobs == []  # still serving
+            # A world of 700 workers formed: their first leases last 0.5 s + 0.7 s, and so may an unnamed stream.
+            await stub.Join(join_request("wide", 700, workers=700))
+            call = stub.Session()
+            started = time.monotonic()
+            await expect_error(call.read(), Code.DEADLINE_EXCEEDED, "no SessionRequest within 1.2 s")
+            assert time.monotonic() - started >= 1.1
     finally:
         await s.stop(0)
 

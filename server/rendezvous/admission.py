@@ -205,8 +205,8 @@ class Admission:
                 are the membership's to give: the Join's list was checked whole.)
         """
         node = job.nodes[member.node_key]
-        p = JoinParams(job.job_id, job.spec, member.node_key, member.address, member.port, workers=len(newcomers),
-                       slots=newcomers)
+        p = JoinParams(job.job_id, job.spec, member.node_key, member.address, member.port, loopback=job.loopback,
+                       workers=len(newcomers), slots=newcomers)
         self._check_admissible(job, p)
         member.slots += newcomers
         member.workers += len(newcomers)

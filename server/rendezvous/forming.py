@@ -226,6 +226,7 @@ class Forming:
         job.placed = plan.world_size
         members = job.members
         first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
+        self.widest_world = max(self.widest_world, plan.world_size)
         hosts: set[str] = set()
         for wid in plan.ranks:
             mid, m = wid, members.get(wid)

@@ -56,8 +56,11 @@ class Leases:
     def naming_wait_s(self, open_streams: int) -> float:
         """How long a new session stream may take to name its member: the lease
         TTL, stretched as a world's first lease is by the time the server takes
-        to open that many streams (a whole world's sessions open at once)."""
-        return self.lease_ttl_s + open_streams * self.SESSION_OPEN_S
+        to open that many streams (a whole world's sessions open at once), and
+        never shorter than the longest first lease granted here (the widest
+        world's): a stream is not closed while the member it would name still
+        holds its seat."""
+        return self.lease_ttl_s + max(open_streams, self.widest_world) * self.SESSION_OPEN_S
 
     def open_session(self, job_id: str, member_id: str, generation: int, sink: object,
                      spare_port: int = 0, secret: str | None = None) -> tuple[float, list[SessionEvent], Actions]:
@@ -113,7 +116,8 @@ class Leases:
         killed) without a Leave; then, unless a new session reattaches within
         the reconnect grace, the member is removed as an expired lease is; at
         once, with no grace, when a peer reported its world's collectives
-        failed (report_failure). Any other end (the server stopping or handing
+        failed (report_failure), unless it is a host membership, whose other
+        workers take its session over within the grace. Any other end (the server stopping or handing
         over, a newer session) leaves the lease to run on. A paused process
         keeps its connection: only its lease finds it.
 
@@ -126,7 +130,8 @@ class Leases:
         if member is None or member.session is not sink:
             return actions
         member.session = None
-        if departed and member.lease in (Lease.FIRST, Lease.RENEWING) and job.failed == job.generation and job.in_world(member_id):
+        if (departed and member.lease in (Lease.FIRST, Lease.RENEWING) and job.failed == job.generation
+                and job.in_world(member_id) and not member.slots):  # a host's other workers may take its session over
             self._remove(job, member_id, BROKE_OFF, actions)
         elif departed and member.lease in (Lease.FIRST, Lease.RENEWING):
             member.lease = Lease.DETACHED
@@ -197,7 +202,7 @@ class Leases:
                 or job.state not in (JobState.FORMED, JobState.FORMING)):
             return actions
         job.failed = generation
-        detached = [mid for mid in job.survivors() if job.members[mid].lease is Lease.DETACHED]
+        detached = [mid for mid in job.survivors() if job.members[mid].lease is Lease.DETACHED and not job.members[mid].slots]
         for mid in detached:
             if mid in job.members:  # not gone with the job (a world below its minimum fails, taking every member)
                 self._remove(job, mid, BROKE_OFF, actions)
@@ -205,7 +210,7 @@ class Leases:
 
     def remove_workers(self, job_id: str, member_id: str, indexes: Iterable[int], why: str) -> Actions:
         """Workers of a host membership are gone (`why`: DISCONNECTED, their
-        process ended; "left"): they leave its seat as single members would,
+        process ended; "expired", it went silent; "left"): they leave its seat as single members would,
         the world re-forming around them by the rank rule; the membership
         keeps its lease and its other workers. Its last worker takes the
         membership with it. Indexes it does not hold are ignored.
@@ -239,7 +244,8 @@ class Leases:
         job.placed -= len(seated)
         job.version += 1
         actions.writes.append(PutMember(job_id, member_record(member_id, member)))
-        said = "left" if why == "left" else "disconnected: its process ended without a leave"
+        said = {"left": "left", "expired": "expired: its process went silent for a lease"}.get(
+            why, "disconnected: its process ended without a leave")
         kind = EventKind.LEFT if why == "left" else EventKind.LOST
         for s in gone:
             rank = ranks.get(worker_id(member_id, s.index))

@@ -102,6 +102,7 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
         self.shares = Shares(limits)  # what each caller holds (jobs here; Joins waiting and streams at the RPC edge)
         self.guesses = Guesses(clock)  # wrong job secrets, by caller and job
         self._members = 0  # across all jobs
+        self.widest_world = 0  # the most workers of a world formed here: its first leases are the longest
         # The server is stopping: Joins are refused, and sessions that end are not departures.
         self.draining = False
         self.plan_inline_max = plan_inline_max

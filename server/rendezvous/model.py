@@ -490,3 +490,4 @@ class Stats:
     members: int
     waiting: int
     oldest_keepalive_s: float
+    sessions: int = 0  # Session streams open and named (a host membership's workers share one); the RPC layer's count

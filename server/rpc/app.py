@@ -363,11 +363,17 @@ async def start_server(
     loop_thread = threading.get_ident()
 
     async def snapshot() -> Stats:
-        return (out.term.machine if out.term is not None else idle).stats()
+        return now()
+
+    def now() -> Stats:
+        term = out.term
+        if term is None:
+            return idle.stats()
+        return dataclasses.replace(term.machine.stats(), sessions=term.servicer.open_member_sessions)
 
     def stats() -> Stats:  # from another thread (the metrics thread), the loop takes the snapshot
         if threading.get_ident() == loop_thread:
-            return (out.term.machine if out.term is not None else idle).stats()
+            return now()
         return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
 
     registry = prometheus_client.CollectorRegistry()

@@ -71,6 +71,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return None
 
     @property
+    def open_member_sessions(self) -> int:
+        """Session streams open now that named their member."""
+        return len(self._sinks)
+
+    @property
     def open_sessions(self) -> int:
         """Session and WatchEvents streams open now."""
         return self._machine.shares.streams
@@ -105,8 +110,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             first = await asyncio.wait_for(context.read(), wait)
         except asyncio.TimeoutError:
             self._fail(context, "Session", WaitTimeout(
-                f"no SessionRequest within {wait:g} s (the lease TTL, and 1 ms for each open stream): a session starts "
-                f"by naming its member"))
+                f"no SessionRequest within {wait:g} s (the lease TTL, and 1 ms for each open stream or for each worker of the "
+                f"widest world, as its first lease): a session starts by naming its member"))
             return
         if first is grpc.aio.EOF:
             return
@@ -191,6 +196,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                     actions.extend(self._machine.remove_workers(job_id, member_id, request.gone_workers, DISCONNECTED))
                 if request.left_workers:
                     actions.extend(self._machine.remove_workers(job_id, member_id, request.left_workers, "left"))
+                if request.expired_workers:
+                    actions.extend(self._machine.remove_workers(job_id, member_id, request.expired_workers, "expired"))
                 if actions:
                     self._executor.submit(actions)
             except NotFound as exc:

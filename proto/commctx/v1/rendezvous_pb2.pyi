@@ -281,7 +281,7 @@ class RankRun(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret", "restart_generation", "failed_generation", "gone_workers", "left_workers")
+    __slots__ = ("job_id", "member_id", "generation", "spare_port", "member_secret", "restart_generation", "failed_generation", "gone_workers", "left_workers", "expired_workers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class SessionRequest(_message.Message):
     FAILED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     GONE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEFT_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     member_id: str
     generation: int
@@ -300,7 +301,8 @@ class SessionRequest(_message.Message):
     failed_generation: int
     gone_workers: _containers.RepeatedScalarFieldContainer[int]
     left_workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ..., failed_generation: _Optional[int] = ..., gone_workers: _Optional[_Iterable[int]] = ..., left_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    expired_workers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., spare_port: _Optional[int] = ..., member_secret: _Optional[str] = ..., restart_generation: _Optional[int] = ..., failed_generation: _Optional[int] = ..., gone_workers: _Optional[_Iterable[int]] = ..., left_workers: _Optional[_Iterable[int]] = ..., expired_workers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("lease_ttl_ms", "world_changed", "assignment", "gone", "job_ended", "job_closed", "worker_assignments")
