@@ -34,6 +34,7 @@ from .lifecycle import (
     job_spec_of,
     progress_seconds,
     resolve_backend,
+    share_host_of,
 )
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
@@ -94,6 +95,7 @@ class CommContext:
         collective_timeout: int = 1800,
         on_world_changed: Callable[[WorldChange], None] | None = None,
         abort_on_change: bool = True,
+        share_host: bool | None = None,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
@@ -140,6 +142,11 @@ class CommContext:
                 left, or a world that grows, abort nothing. A collective that
                 completed is not affected. False: the old world's collectives
                 run on until they complete or time out.
+            share_host: The workers of this job and node key on this machine
+                share one membership, one lease and one session with the
+                server: the first to join holds them for all, and if its
+                process dies another takes over. False: a membership of its
+                own. Default: COMMCTX_SHARE_HOST ("0" off), else True.
             tls_ca: PEM file of the CA that signed the server's certificate:
                 talk TLS (default: COMMCTX_TLS_CA; neither: plaintext).
             tls_cert, tls_key: PEM files of this worker's certificate and key,
@@ -184,6 +191,7 @@ class CommContext:
         if not isinstance(abort_on_change, bool):
             raise InvalidArgument(f"abort_on_change must be True or False, not {abort_on_change!r:.64}")
         launcher = LauncherEnv.from_env()
+        share_host = share_host_of(share_host, launcher)
         progress_s = progress_seconds(progress_interval, launcher)
         if launcher.torchrun_world:  # torchrun --rdzv-backend=commctx: the agent joined for this worker
             check_count("world_size", world_size, "the number of workers in the job", optional=True)
@@ -233,7 +241,7 @@ class CommContext:
             membership = ctx._membership = Membership.join(
                 server_addr, request, advertise_addr=advertise_addr, backend=backend, timeout_s=timeout,
                 collective_timeout_s=collective_timeout, tls=tls, token=token, progress_s=progress_s,
-                abort_on_change=abort_on_change)
+                abort_on_change=abort_on_change, share_host=share_host)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
             membership.enter(ctx._registry, timeout)

@@ -31,6 +31,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from . import _torch
 from .assignment import Assignment
 from .errors import InvalidArgument, InvalidRequest, ServerUnavailable, UsageError
+from .host import HostJob, LocalSession, host_worker, link_paths
 from .netif import interface_of, listen_socket, route_source_address
 from .progress import DEFAULT_EVERY_S
 from .registry import GroupRegistry
@@ -69,6 +70,7 @@ class LauncherEnv:
     job_id: str | None = None  # COMMCTX_JOB_ID (formerly COMMCTX_JOB, still read): the job to join
     torchrun_world: str | None = None  # COMMCTX_TORCHRUN_WORLD under torchrun: the agent's file of assignments
     progress_s: str | None = None  # COMMCTX_PROGRESS_S: seconds between "waiting for ..." lines (0: none)
+    share_host: str | None = None  # COMMCTX_SHARE_HOST: "0" gives every worker a membership of its own
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
@@ -116,6 +118,7 @@ class LauncherEnv:
             job_id=_renamed(env, "COMMCTX_JOB_ID"),
             torchrun_world=torchrun_world,
             progress_s=env.get("COMMCTX_PROGRESS_S") or None,
+            share_host=env.get("COMMCTX_SHARE_HOST") or None,
         )
 
 
@@ -297,6 +300,23 @@ def progress_seconds(value: float | None, launcher: LauncherEnv) -> float:
     return float(value)
 
 
+def share_host_of(value: bool | None, launcher: LauncherEnv) -> bool:
+    """Whether workers of one host share a membership: `value`, else
+    COMMCTX_SHARE_HOST ("0", "false", "no", "off": no), else yes.
+
+    Raises:
+        InvalidArgument: not True, False or None; a variable that is not a yes or no.
+    """
+    if value is not None:
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"share_host must be True or False, not {_shown(value)}")
+        return value
+    raw = (launcher.share_host or "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise InvalidArgument(f"COMMCTX_SHARE_HOST must be 1 or 0 (true/false, yes/no, on/off), not {_shown(launcher.share_host)}")
+    return raw in ("1", "true", "yes", "on")
+
+
 def check_count(name: str, value: int | None, what: str, *, minimum: int = 1, optional: bool = False) -> int | None:
     """Returns `value` if it is an integer >= `minimum` (None too when `optional`).
 
@@ -383,8 +403,8 @@ class Membership:
     another reason than its job finishing: a collective blocked on a dead or
     hung peer raises then instead of at torch's timeout (world.py says how)."""
 
-    def __init__(self, session: Session, address: str, backend: str, collective_timeout_s: int,
-                 spare: socket.socket, env: MutableMapping[str, str], *, abort_on_change: bool = True,
+    def __init__(self, session: Session | LocalSession, address: str, backend: str, collective_timeout_s: int,
+                 spare: socket.socket | None, env: MutableMapping[str, str], *, abort_on_change: bool = True,
                  keep: Peer = lambda peer: False) -> None:
         self.session = session
         self.address = address
@@ -402,16 +422,35 @@ class Membership:
     @classmethod
     def join(cls, server_addr: str, request: pb.JoinRequest, *, advertise_addr: str | None, backend: str,
              timeout_s: float, collective_timeout_s: int, env: MutableMapping[str, str] | None = None,
-             progress_s: float = DEFAULT_EVERY_S, abort_on_change: bool = True,
+             progress_s: float = DEFAULT_EVERY_S, abort_on_change: bool = True, share_host: bool = False,
              tls: Tls | None = None, token: str | None = None) -> Membership:
         """Joins with `request` (job, spec, node and rank fields) and blocks until
-        placed in a world. The address and spare port are filled in here.
+        placed in a world. The address and spare port are filled in here. With
+        `share_host`, the workers of this job and node key on this machine share
+        one membership (host.py): this worker joins it through its host's hub.
 
         Raises:
             InvalidArgument: `server_addr` is not host:port, or the token is malformed.
             RendezvousError: the server refused the join or the world did not form in time.
         """
         address = advertised_address(server_addr, advertise_addr)
+        env = os.environ if env is None else env
+        keep = kept_peers(server_addresses(server_addr))
+        if share_host:
+            if tls is not None:
+                tls.credentials()  # a TLS file that cannot be read fails here, in the worker that names it
+            request.address = address
+            worker = host_worker(request.role, request.local_rank if request.HasField("local_rank") else None, timeout_s)
+            request.ClearField("role")
+            request.ClearField("local_rank")
+            local = LocalSession(server_addr, HostJob(server_addr, request, tls, token),
+                                 link_paths(server_addr, request.job_id, request.node_key), worker)
+            try:
+                local.join(timeout_s, progress_s)
+            except BaseException:
+                local.close(leave=False)
+                raise
+            return cls(local, address, backend, collective_timeout_s, None, env, abort_on_change=abort_on_change, keep=keep)
         session = Session(server_addr, tls, token)  # first: a TLS file that cannot be read fails before any socket is held
         try:
             spare = listen_on(address)
@@ -426,8 +465,7 @@ class Membership:
             spare.close()
             session.close(leave=False)
             raise
-        return cls(session, address, backend, collective_timeout_s, spare, os.environ if env is None else env,
-                   abort_on_change=abort_on_change, keep=kept_peers(server_addresses(server_addr)))
+        return cls(session, address, backend, collective_timeout_s, spare, env, abort_on_change=abort_on_change, keep=keep)
 
     @property
     def assignment(self) -> Assignment:
@@ -470,12 +508,17 @@ class Membership:
         a = self.session.assignment
         self._export_env(a)
         if a.rank == 0:
-            spare, self._spare = self._spare, None
+            hosted = isinstance(self.session, LocalSession)  # the host's hub holds the spare and passed it on
+            if hosted:
+                spare = self.session.take_spare(a.generation, a.master_port)
+            else:
+                spare, self._spare = self._spare, None
             if spare is None or spare.getsockname()[1] != a.master_port:
                 raise UsageError(f"the server made this worker rank 0 on port {a.master_port}, which it does not hold")
             self._store = _torch.store_on_socket(a.master_addr, a.master_port, a.world_size, self._timeout, spare)
-            self._spare = listen_on(self.address)
-            self.session.offer_spare(self._spare.getsockname()[1])
+            if not hosted:
+                self._spare = listen_on(self.address)
+                self.session.offer_spare(self._spare.getsockname()[1])
         self._world = World(a.generation, self._keep)  # before anything connects: an abort finds it
         enter_world(registry, a, self.backend, a.dist_url, self._timeout, world=self._world)
         log.info(

@@ -26,9 +26,7 @@ its lease.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import queue
 import random
@@ -41,11 +39,14 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
-from .errors import MemberNotFound, RendezvousError, RendezvousTimeout, ServerUnavailable
+from .errors import ServerUnavailable
+from .news import News, WorldChange
 from .progress import DEFAULT_EVERY_S, Progress, describe_wait
 from .transport import NOT_LEADER, Endpoints, LeaderStub, Tls, error_from_rpc, leader_hint, why_unreachable
 
 log = logging.getLogger("commctx")
+
+__all__ = ["Session", "WorldChange", "backoff"]  # WorldChange lived here before news.py
 
 _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL")
 _TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
@@ -60,25 +61,14 @@ UNREACHABLE_WARN_AFTER_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 30.0
 
 
-@dataclasses.dataclass(frozen=True)
-class WorldChange:
-    """The server is re-forming the world this worker is in or, `final`, the
-    job cannot go on for this worker (below its minimum, ended, or its lease
-    lost): then `rejoin()` raises MemberNotFound with `reason`."""
-
-    generation: int  # the generation being replaced
-    reason: str
-    final: bool = False
-    closed: bool = False  # final: the job was closed (a launcher shut the run down)
-
-
 def backoff(attempt: int, max_s: float = BACKOFF_MAX_S) -> float:
     """Exponential backoff with full jitter: uniform in [0, min(max_s, BACKOFF_MAX_S, first * 2^attempt)]."""
     return random.uniform(0, min(max_s, BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**min(attempt, 30)))
 
 
-class Session:
-    """One membership in one job on one rendezvous server."""
+class Session(News):
+    """One membership in one job on one rendezvous server: its news (News),
+    fed by its own stream to the server."""
 
     def __init__(self, server_addr: str, tls: Tls | None = None, token: str | None = None) -> None:
         """`server_addr`: 'host:port', or a comma-separated list of the replicas'.
@@ -87,28 +77,18 @@ class Session:
             ValueError: an address is not host:port.
             UsageError: a TLS file cannot be read, or the token is not printable ASCII.
         """
+        super().__init__(os.urandom(16).hex())
         self.server_addr = server_addr
         self._endpoints = Endpoints(server_addr, tls, token)
-        self.member_id = os.urandom(16).hex()
         self._secret = os.urandom(16).hex()  # the membership's credential: sent, never logged
-        self.assignment: Assignment | None = None
-        self.lease_error: RendezvousError | None = None  # set when the server says the member is gone
-        self._job_id = ""
         self._job_secret = ""
-        self._ttl_s = 10.0
         self._ttl_known = False
-        self._lock = threading.Condition()
-        self._generation = 0
         self._spare_port = 0
         self._restart = 0  # a generation to re-form (a launcher restarting its workers), until sent
         self._failed = 0  # a generation whose collectives failed here, until reported
+        self._ended_workers: dict[str, list[int]] = {"gone": [], "left": [], "expired": []}  # a host's, until reported
         self.worker_assignments: tuple[pb.Assignment, ...] = ()  # a node membership's, by local rank
-        self._change: WorldChange | None = None
-        self._next: Assignment | None = None  # a pushed assignment not yet taken
-        self._callbacks: list[Callable[[WorldChange], None]] = []
-        self._ended: Callable[[float, str], None] | None = None  # on_world_ended's
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._call: grpc.Future | None = None
         self._closed = False
@@ -144,6 +124,11 @@ class Session:
         with Progress(lambda r, t: self._endpoints.call("DescribeJob", r, t), request.job_id, request.job_secret,
                       progress_s, progress_line):
             response = self._join(request, timeout_s)
+        self.start(response)
+        return self.assignment
+
+    def start(self, response: pb.JoinResponse) -> None:
+        """Placed (`response`, the Join's answer): starts the session stream."""
         self._endpoints.succeeded()
         self._ttl_s = response.lease_ttl_ms / 1000
         self._ttl_known = True
@@ -152,7 +137,12 @@ class Session:
         self._generation = self.assignment.generation
         self._thread = threading.Thread(target=self._run, name="commctx-session", daemon=True)
         self._thread.start()
-        return self.assignment
+
+    def credentials(self, member_id: str, secret: str, job_id: str, job_secret: str) -> None:
+        """This session is for the membership `member_id` (whose secret is
+        `secret`), joined before by another process (a host's): set before
+        `join` or `start`."""
+        self.member_id, self._secret, self._job_id, self._job_secret = member_id, secret, job_id, job_secret
 
     def _join(self, request: pb.JoinRequest, timeout_s: float) -> pb.JoinResponse:
         """The Join call, retried while the server cannot be reached (see join)."""
@@ -206,8 +196,11 @@ class Session:
                 message = pb.SessionRequest(
                     job_id=self._job_id, member_id=self.member_id, generation=self._generation, spare_port=self._spare_port,
                     member_secret=self._secret, restart_generation=self._restart, failed_generation=self._failed,
+                    gone_workers=self._ended_workers["gone"], left_workers=self._ended_workers["left"],
+                    expired_workers=self._ended_workers["expired"],
                 )
                 self._restart = self._failed = 0
+                self._ended_workers = {"gone": [], "left": [], "expired": []}
             yield message
             try:  # the next renewal after TTL/3, or at once for a new spare port or to stop
                 self._wake.get(timeout=max(self._ttl_s / 3, 0.01))
@@ -268,83 +261,11 @@ class Session:
 
     def _handle(self, event: pb.SessionEvent) -> bool:
         """Applies one event; True when the session is over."""
-        kind = event.WhichOneof("event")
-        if kind == "lease_ttl_ms":
-            self._ttl_s = event.lease_ttl_ms / 1000
-        elif kind == "world_changed":
+        if event.WhichOneof("event") == "world_changed":
             self._wake.put(True)  # renew now: the server awaits survivors it has not heard from lately
-            change = event.world_changed
-            if change.lost:
-                self._world_ended(change.generation + 1, change.reason)
-            self._changed(WorldChange(change.generation, change.reason))
-        elif kind == "assignment":
-            a = Assignment.from_proto(event.assignment, self.member_id)
-            with self._lock:
-                self._next = a
-                held = self._generation  # read with _next set: a rejoin taking it moves _generation on
-                self._lock.notify_all()
-            if event.assignment.previous_lost:
-                self._world_ended(a.generation, a.reason)
-            self._changed(WorldChange(held, a.reason))  # unless world_changed said so already
-        elif kind == "gone":
-            if not event.job_ended:  # a job finishing (its members left) ends no collective
-                self._world_ended(math.inf, event.gone)
-            if not self._stop.is_set():  # no news while this worker is leaving anyway
-                # A job whose members are leaving (it finished) is no trouble: INFO, not WARNING.
-                log.log(logging.INFO if event.job_ended else logging.WARNING,
-                        "membership of %s in job %r is over: %s", self.member_id, self._job_id, event.gone)
-                self._changed(WorldChange(self._generation, event.gone, final=True, closed=event.job_closed))  # first: waiters wake
-            with self._lock:
-                self.lease_error = MemberNotFound("NOT_FOUND", event.gone)
-                self._lock.notify_all()
-            return True
-        return False
-
-    def _world_ended(self, before: float, reason: str) -> None:
-        if self._ended is not None and not self._stop.is_set():
-            try:
-                self._ended(before, reason)
-            except Exception:  # the session must go on
-                log.exception("ending the old world failed")
-
-    def _changed(self, change: WorldChange) -> None:
-        with self._lock:
-            if self._change is not None and (self._change.final or not change.final):
-                return  # once per change; a final one replaces one that was not
-            self._change = change
-            callbacks = list(self._callbacks)
-            self._lock.notify_all()
-        if not change.final:
-            log.warning("the world of generation %d is changing: %s", change.generation, change.reason)
-        for callback in callbacks:
-            try:
-                callback(change)
-            except Exception:  # a user's callback must not end the session
-                log.exception("world-changed callback failed")
+        return self.apply(event)
 
     # -- world changes --------------------------------------------------------------
-
-    @property
-    def world_change(self) -> WorldChange | None:
-        """The pending change of the world, if the server announced one."""
-        with self._lock:
-            return self._change
-
-    def on_world_changed(self, callback: Callable[[WorldChange], None]) -> None:
-        """Calls `callback(change)` from the session thread when the world changes."""
-        with self._lock:
-            self._callbacks.append(callback)
-
-    def on_world_ended(self, callback: Callable[[float, str], None]) -> None:
-        """Calls `callback(before, reason)` from the session thread, first
-        thing, when a collective of a world older than generation `before` may
-        block for ever: members of it went without a Leave (their lease
-        expired, their session closed), as a world_changed or the assignment
-        of generation `before` says, or this membership is over and not
-        because its job finished (`before` is infinite). Members that left,
-        and a world that only grows, end no collective: those complete or
-        fail by themselves. One callback: the membership's."""
-        self._ended = callback
 
     def report_failure(self, generation: int) -> None:
         """Tells the server (now) that this worker's collectives in `generation` failed:
@@ -353,37 +274,18 @@ class Session:
             self._failed = generation
         self._wake.put(True)
 
-    @property
-    def next_ready(self) -> bool:
-        """Whether the next world's assignment is here, for next_assignment to take at once."""
+    def report_workers(self, indexes: list[int], why: str) -> None:
+        """Tells the server (now) that these workers of its host membership are
+        gone: `why` "gone" (their process ended), "left" or "expired" (went silent)."""
         with self._lock:
-            return self._next is not None
-
-    @property
-    def lease_ttl_s(self) -> float:
-        """The lease TTL the server granted (before the join: the default's)."""
-        return self._ttl_s
-
-    def wait_world_change(self, timeout_s: float | None = None) -> WorldChange | None:
-        with self._lock:
-            self._lock.wait_for(lambda: self._change is not None or self.lease_error is not None, timeout_s)
-            return self._change
+            self._ended_workers[why].extend(indexes)
+        self._wake.put(True)
 
     def offer_spare(self, port: int) -> None:
         """Tells the server (now, not at the next renewal) of a new spare listening port."""
         with self._lock:
             self._spare_port = port
         self._wake.put(True)
-
-    def settle(self, generation: int) -> None:
-        """This member now runs in `generation` (a node membership read it with
-        `current_world`): news of that generation or older is spent."""
-        with self._lock:
-            if self._next is not None and self._next.generation <= generation:
-                self._next = None
-            if self._change is not None and not self._change.final and self._change.generation < generation:
-                self._change = None
-            self._generation = max(self._generation, generation)
 
     def request_restart(self) -> None:
         """Asks the server for the next generation of the current world with the
@@ -420,29 +322,13 @@ class Session:
             raise error_from_rpc(exc) from None
         return response
 
-    def next_assignment(self, timeout_s: float) -> Assignment:
-        """Waits for the next generation's assignment and takes it.
-
-        Raises:
-            MemberNotFound: the server says the member is gone or the job cannot continue.
-            RendezvousTimeout: no new world within `timeout_s`.
-        """
-        with self._lock:
-            self._lock.wait_for(lambda: self._next is not None or self.lease_error is not None, timeout_s)
-            if self._next is not None:
-                self.assignment, self._next, self._change = self._next, None, None
-                self._generation = self.assignment.generation
-                return self.assignment
-            if self.lease_error is not None:
-                raise self.lease_error
-        raise RendezvousTimeout("DEADLINE_EXCEEDED", f"no new world within {timeout_s:g} s")
-
     # -- closing -------------------------------------------------------------------
 
-    def close(self, *, leave: bool = True, leave_timeout_s: float = 1.0, close_job: bool = False) -> None:
+    def close(self, *, leave: bool = True, leave_timeout_s: float = 1.0, close_job: bool = False, wait: bool = True) -> None:
         """Stops the session, leaves the job (best effort), closes the channel. Idempotent.
 
-        `close_job` also closes the job for every member (torchrun's shutdown of the run)."""
+        `close_job` also closes the job for every member (torchrun's shutdown of the run). Without
+        `wait`, the session thread ends by itself (a host's hub closes it holding a lock that thread takes)."""
         if self._closed:
             return
         self._closed = True
@@ -450,7 +336,7 @@ class Session:
         # Leave before the stream ends: a session ended without a Leave is a
         # crash to the server (the member goes after its reconnect grace, and
         # the job may fail); one that left first is a departure.
-        if leave and self.assignment is not None:
+        if leave and self._thread is not None:  # placed (or a host's session, taken over)
             try:  # to the leader, following a hint if the leader moved
                 LeaderStub(self._endpoints).Leave(
                     pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret,
@@ -461,6 +347,6 @@ class Session:
         self._wake.put(True)
         if self._call is not None:
             self._call.cancel()
-        if self._thread is not None:
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
         self._endpoints.close()

@@ -96,6 +96,12 @@ def leader_hint(exc: grpc.RpcError) -> str:
     return info.metadata.get("leader", "") if info is not None and info.reason == NOT_LEADER else ""
 
 
+def error_of(code: str, details: str, reason: str = "") -> errors.RendezvousError:
+    """The commctx exception for a status code's name, details and ErrorInfo reason (as error_from_rpc makes them)."""
+    status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+    return (_BY_REASON.get(reason) or _BY_CODE.get(status, errors.RendezvousError))(code, details, reason)
+
+
 def error_from_rpc(exc: grpc.RpcError) -> errors.RendezvousError:
     """Translates a failed call into the matching commctx exception."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

@@ -32,8 +32,9 @@ TTL_S = 3.0  # the server's lease; everything else is the client's default
 class Trainer(Proc):
     """One examples/elastic_train.py worker, forked by the zygote; its JSON step lines kept in `steps`."""
 
-    def __init__(self, server: Server, job: str, name: str) -> None:
-        env = {"COMMCTX_SERVER": server.address, "COMMCTX_JOB_ID": job, "COMMCTX_PROGRESS_S": "0"}
+    def __init__(self, server: Server, job: str, name: str, share_host: bool = True) -> None:
+        env = {"COMMCTX_SERVER": server.address, "COMMCTX_JOB_ID": job, "COMMCTX_PROGRESS_S": "0",
+               "COMMCTX_SHARE_HOST": "1" if share_host else "0"}
         super().__init__([EXAMPLE, "--json", "--steps", "100000", "--step-s", "0.05"], name, env,
                          fork={"netns": None, "hostname": None})
         self.steps: list[dict] = []
@@ -96,9 +97,9 @@ def lost(address: str, job: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def four_trainers(job: str):
+def four_trainers(job: str, share_host: bool = True):
     server = Server("127.0.0.1", "--lease-ttl-s", str(TTL_S))
-    trainers = [Trainer(server, job, f"{job}-{i}") for i in range(4)]
+    trainers = [Trainer(server, job, f"{job}-{i}", share_host) for i in range(4)]
     with running([server, *trainers]):
         wait_for(trainers, lambda: all(len(in_world(t, 4)) >= 5 for t in trainers), "4 workers stepping", 120)
         yield server, trainers
@@ -116,9 +117,9 @@ def test_a_killed_worker_costs_the_loop_no_step_and_a_replacement_is_healed():
         killed_at = time.time()
         victim.kill()
         wait_for(survivors, lambda: all(len(in_world(t, 3, killed_at)) >= 3 for t in survivors), "3 survivors stepping")
-        # The survivors' failed collective told the server, which dropped the
-        # dead member at once instead of after its reconnect grace.
-        assert lost(server.address, "goodput-kill") == ["broke off"]
+        # Its host's hub saw its link close (or, were it the hub, the worker taking over said so), or the survivors'
+        # failed collective told the server first: either way the dead worker went at once, not after a grace.
+        assert lost(server.address, "goodput-kill") in (["disconnected"], ["broke off"])
         check_steps(survivors)
 
         newcomer = Trainer(server, "goodput-kill", "newcomer")
@@ -138,7 +139,7 @@ def test_a_paused_worker_costs_its_lease_not_the_collective_timeout():
     """SIGSTOP: the survivors' all_reduce blocks on the paused peer; the server
     drops it at its lease and the client aborts the old world's process groups,
     so they step on (torch's default collective timeout is 30 minutes)."""
-    with four_trainers("goodput-stop") as (server, trainers):
+    with four_trainers("goodput-stop", share_host=False) as (server, trainers):  # a lease a worker, as torchrun's
         victim = by_rank(trainers, 3)
         survivors = [t for t in trainers if t is not victim]
         os.kill(victim.popen.pid, signal.SIGSTOP)
