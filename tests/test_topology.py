@@ -78,10 +78,15 @@ def test_layout_properties(sizes, order):
         assert sorted(itertools.chain.from_iterable(ours)) == list(range(w))
     # groups of two different dimensions through a rank meet in that rank only
     plan = plan_world([Candidate(f"m{i}", "n", "10.0.0.1", 1) for i in range(w)], s)
+    reference = {DIM_MODES[d]: reference_groups(sizes, k) for k, d in enumerate(order)}
     for p in plan.placements():
         mine = {g.mode: set(expand(g.ranks)) for g in plan.groups_of(p)}
         for a, b in itertools.combinations([DIM_MODES[d] for d in DIMS], 2):
             assert mine[a] & mine[b] == {p.rank}
+        # a rank's group of each dimension (found by formula, made when asked for) is the oracle's, by index too
+        for g in plan.groups_of(p):
+            if g.mode in reference:
+                assert reference[g.mode][g.index] == expand(g.ranks)
 
 
 def test_tensor_parallel_inside_nodes():

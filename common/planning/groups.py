@@ -47,7 +47,7 @@ class Family:
     def __init__(self, mode: str, groups: Sequence[PlannedGroup], index_of: Sequence[int]) -> None:
         """`index_of[rank]` is the rank's group index in `groups`, or -1."""
         self.mode = mode
-        self.groups = tuple(groups)
+        self.groups = groups if isinstance(groups, LayoutGroups) else tuple(groups)
         self._index_of = index_of
 
     @classmethod
@@ -66,27 +66,63 @@ class Family:
         return Family(self.mode, [dataclasses.replace(g, cpu_twin=True) for g in self.groups], self._index_of)
 
 
-def layout_groups(layout: Layout, dim: str) -> list[PlannedGroup]:
+class LayoutGroups(Sequence[PlannedGroup]):
+    """The groups of one layout dimension, each made when first asked for and
+    then kept (a world's assignments and their encodings hold them by identity):
+    a 100,000-rank world asks for a few of its 100,000 groups when a worker's
+    assignment is built, and holds what it made, not every group up front."""
+
+    __slots__ = ("_mode", "_size", "_stride", "_bases", "_made")
+
+    def __init__(self, mode: str, size: int, stride: int, bases: Sequence[int]) -> None:
+        self._mode, self._size, self._stride, self._bases = mode, size, stride, bases
+        self._made: list[PlannedGroup | None] = [None] * len(bases)
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def __getitem__(self, i):  # noqa: ANN001 (an index or a slice, as a tuple's)
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        if i < 0:
+            i += len(self)
+        g = self._made[i]
+        if g is None:
+            g = self._made[i] = PlannedGroup(self._mode, i, (RankRun(self._bases[i], self._size, self._stride),), self._size)
+        return g
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  (as a list's: compared by value)
+
+
+def layout_groups(layout: Layout, dim: str) -> Sequence[PlannedGroup]:
     """Every group of dimension `dim`, in Megatron's order."""
     dims = [d for d, _ in layout.sizes]
     sizes = [s for _, s in layout.sizes]
     strides = [math.prod(sizes[:i]) for i in range(len(sizes))]
     k = dims.index(dim)
-    others = [i for i in range(len(dims)) if i != k]
-    mode = LAYOUT_MODES[dim]
-    groups = []
-    for g in range(math.prod(sizes) // sizes[k]):
-        base, rest = 0, g
-        for i in others:
-            base += (rest % sizes[i]) * strides[i]
-            rest //= sizes[i]
-        groups.append(PlannedGroup(mode, g, (RankRun(base, sizes[k], strides[k]),), sizes[k]))
-    return groups
+    bases = [0]  # each group's first rank, groups numbered by the other coordinates, the fastest first
+    for i in range(len(dims)):
+        if i != k and sizes[i] > 1:
+            bases = [b + c * strides[i] for c in range(sizes[i]) for b in bases]
+    return LayoutGroups(LAYOUT_MODES[dim], sizes[k], strides[k], array("q", bases))
 
 
 def layout_families(layout: Layout, world_size: int) -> list[Family]:
-    """One family per dimension, in canonical mode order (tp, cp, ep, dp, pp)."""
-    return [Family.of(LAYOUT_MODES[d], layout_groups(layout, d), world_size) for d in LAYOUT_MODES]
+    """One family per dimension, in canonical mode order (tp, cp, ep, dp, pp).
+
+    A rank's group in dimension d (size s_d, stride st_d) is numbered by its
+    other coordinates: (rank mod st_d) + (rank div (st_d * s_d)) * st_d."""
+    families = []
+    sizes = dict(layout.sizes)
+    strides = {d: math.prod(s for _, s in layout.sizes[:i]) for i, (d, _) in enumerate(layout.sizes)}
+    for d in LAYOUT_MODES:
+        st, span = strides[d], strides[d] * sizes[d]
+        index_of = array("i", [r % st + (r // span) * st for r in range(world_size)])
+        families.append(Family(LAYOUT_MODES[d], layout_groups(layout, d), index_of))
+    return families
 
 
 def check_within_node(layout: Layout, families: Sequence[Family], first_ranks: Sequence[int],
