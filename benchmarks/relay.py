@@ -45,6 +45,7 @@ class Job:
         self.members: dict[str, Member] = {}
         self.formed = asyncio.Event()
         self.generation = 0
+        self.workers = 0  # joined: a node or host membership's Join brings several
 
 
 def assignment(job_id: str, generation: int, rank: int, world_size: int) -> pb.Assignment:
@@ -66,7 +67,8 @@ class Relay(pb_grpc.RendezvousServicer):
                                    assignment=assignment(request.job_id, 1, 0, request.spec.world_size))
         job = self.jobs.setdefault(request.job_id, Job(request.spec.world_size))
         member = job.members[member_id] = Member(len(job.members))
-        if len(job.members) == job.size:
+        job.workers += len(request.host_workers) or request.workers or 1
+        if job.workers >= job.size:
             job.generation = 1
             job.formed.set()
         await job.formed.wait()

@@ -70,12 +70,15 @@ def test_the_wire_carries_every_host_workers_assignment_with_its_index(rdzv):
     _, actions, _ = rdzv.join(single(spec, "h2"))
     (world,) = worlds(actions)
     event = pb.SessionEvent.FromString(codec.session_event(world, HOST))
+    assert event == codec._fill_host(pb.SessionEvent(), world, HOST)  # the bytes joined from parts: the message built whole
     assert [a.worker for a in event.worker_assignments] == [1, 2] and event.assignment == event.worker_assignments[0]
     assert sorted(a.rank for a in event.worker_assignments) == [0, 1]
     assert {a.local_rank for a in event.worker_assignments} == {0, 1}
     joined, _, placed = rdzv.join(host(spec, Slot(1), Slot(2)))  # re-attaching: the formed world at once
     response = codec.join_response(codec.Placed(joined, placed, "cd" * 16))
     assert list(response.worker_assignments) == list(event.worker_assignments)
+    wire = codec.join_answer(codec.Placed(joined, placed, "cd" * 16))  # what the servicer sends: encoded ahead
+    assert type(wire) is bytes and pb.JoinResponse.FromString(wire) == response
 
 
 def test_a_dead_worker_leaves_its_hosts_seat_and_the_others_keep_theirs(rdzv, clock):
@@ -87,6 +90,9 @@ def test_a_dead_worker_leaves_its_hosts_seat_and_the_others_keep_theirs(rdzv, cl
     sinks = sessions(rdzv, [HOST, *(m for m in rdzv._jobs["job"].members if m != HOST)])
     actions = rdzv.remove_workers("job", HOST, [2], DISCONNECTED)
     (second,) = worlds(actions)
+    wire = pb.SessionEvent.FromString(codec.session_event(second, HOST))
+    assert wire == codec._fill_host(pb.SessionEvent(), second, HOST) and [a.worker for a in wire.worker_assignments] == [1, 3]
+    assert all(a.HasField("previous_rank") and a.reason for a in wire.worker_assignments)
     after = seats_of(second)
     assert set(after) == set(before) - {f"{HOST}/2"} and second.lost  # survivors abort the old world's collectives
     for wid in (f"{HOST}/1", f"{HOST}/3"):

@@ -258,7 +258,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
             return await inner(request, context)
 
         make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
-        return make(checked, request_deserializer=parse, response_serializer=handler.response_serializer)
+        return make(checked, request_deserializer=parse,  # a Join's answer may come encoded (codec.join_answer)
+                    response_serializer=codec.pass_bytes(handler.response_serializer))
 
 
 def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits: Limits = Limits()) -> grpc.aio.Server:

@@ -198,6 +198,19 @@ def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
     return response
 
 
+def join_answer(placed: Placed, workers: int = 0) -> pb.JoinResponse | bytes:
+    """What the servicer answers a Join with: join_response, but a host membership's
+    workers' assignments as bytes joined from the world's shared parts (as a session's are)."""
+    member_id, world = placed.joined.member_id, placed.world
+    if world.hosts is None or member_id not in world.hosts:
+        return join_response(placed, workers)
+    head = pb.JoinResponse(member_id=member_id, member_secret=placed.member_secret,
+                           lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000)).SerializeToString()
+    parts = _world_parts(world)
+    assignments = [parts.assignment(seat) for seat in world.host_seats(member_id)]
+    return b"".join([head, _field(_JOIN_ASSIGNMENT, assignments[0]), *[_field(_JOIN_WORKERS, a) for a in assignments]])
+
+
 def _fill_host(m: pb.JoinResponse | pb.SessionEvent, world: NewWorld, member_id: str):
     """Writes a host membership's workers' assignments into `m` (`assignment`: the first's)."""
     for seat in world.host_seats(member_id):
@@ -215,7 +228,7 @@ class _WorldParts:
 
     def __init__(self, world: NewWorld) -> None:
         self.world = world  # held, so that the ids keying the caches are not reused meanwhile
-        self.common = _event_bytes(_shared_fields(world.job_id, world.generation, world.plan, world.reason, world.lost))
+        self.common = _shared_fields(world.job_id, world.generation, world.plan, world.reason, world.lost).SerializeToString()
         self.groups: dict[int, bytes] = {}  # by id(PlannedGroup): the plans hold their groups
         self.nodes: dict[int, bytes] = {}  # by node rank: node_rank, local_world_size
         self.changes: dict[tuple[str, ...], bytes] = {}  # changed_groups
@@ -223,25 +236,43 @@ class _WorldParts:
     def group(self, group: PlannedGroup) -> bytes:
         b = self.groups.get(id(group))
         if b is None:
-            b = self.groups[id(group)] = _event_bytes(pb.Assignment(groups=[_group_message(group)]))
+            b = self.groups[id(group)] = pb.Assignment(groups=[_group_message(group)]).SerializeToString()
         return b
 
     def node(self, node_rank: int) -> bytes:
         b = self.nodes.get(node_rank)
         if b is None:
-            b = self.nodes[node_rank] = _event_bytes(_node_fields(self.world.plan, node_rank))
+            b = self.nodes[node_rank] = _node_fields(self.world.plan, node_rank).SerializeToString()
         return b
 
-    def changed(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> bytes:
-        modes = self.world.changed_groups(groups, before)
+    def changed(self, modes: tuple[str, ...]) -> bytes:
         b = self.changes.get(modes)
         if b is None:
-            b = self.changes[modes] = _event_bytes(pb.Assignment(changed_groups=modes))
+            b = self.changes[modes] = pb.Assignment(changed_groups=modes).SerializeToString()
         return b
 
+    def assignment(self, seat: Seat) -> bytes:
+        """A worker's Assignment, serialized: the parts it shares and its own fields."""
+        p = seat.placement
+        own = _own_fields(self.world.plan, p, seat.previous_rank, seat.worker).SerializeToString()
+        return b"".join([self.common, self.node(p.node_rank), self.changed(seat.changed_groups), own,
+                         *[self.group(g) for g in self.world.plan.groups_of(p)]])
 
-def _event_bytes(assignment: pb.Assignment) -> bytes:
-    return pb.SessionEvent(assignment=assignment).SerializeToString()
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field (`tag`: its number << 3 | 2), as protobuf writes it."""
+    n, length = len(payload), bytearray()
+    while n >= 0x80:
+        length.append(n & 0x7F | 0x80)
+        n >>= 7
+    length.append(n)
+    return bytes((tag,)) + bytes(length) + payload
+
+
+_ASSIGNMENT = pb.SessionEvent.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2
+_WORKER_ASSIGNMENTS = pb.SessionEvent.DESCRIPTOR.fields_by_name["worker_assignments"].number << 3 | 2
+_JOIN_ASSIGNMENT = pb.JoinResponse.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2
+_JOIN_WORKERS = pb.JoinResponse.DESCRIPTOR.fields_by_name["worker_assignments"].number << 3 | 2
 
 
 # By id(NewWorld): the few worlds being delivered now. Each entry holds its world's
@@ -266,18 +297,12 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     message field that occurs more than once on the wire is merged, and
     repeated fields keep their order, so the bytes parse to exactly the
     message fill_assignment builds (a test holds them equal)."""
-    plan, previous = world.plan, world.previous
-    p = plan.placement(member_id)
-    if p is None:
-        if world.hosts is not None and member_id in world.hosts:  # a host membership: every worker's, built whole
-            return _fill_host(pb.SessionEvent(), world, member_id).SerializeToString()
-        return None
     parts = _world_parts(world)
-    before = previous.placement(member_id) if previous is not None else None
-    own = _own_fields(plan, p, before.rank if before else None)
-    groups = plan.groups_of(p)
-    return b"".join([parts.common, parts.node(p.node_rank), parts.changed(groups, before), _event_bytes(own),
-                     *[parts.group(g) for g in groups]])
+    if world.hosts is not None and member_id in world.hosts:  # a host membership: each of its workers', in its order
+        workers = [parts.assignment(seat) for seat in world.host_seats(member_id)]
+        return b"".join([_field(_ASSIGNMENT, workers[0]), *[_field(_WORKER_ASSIGNMENTS, w) for w in workers]])
+    seat = world.assignment_for(member_id)
+    return None if seat is None else _field(_ASSIGNMENT, parts.assignment(seat))
 
 
 def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:

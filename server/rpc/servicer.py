@@ -64,7 +64,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             params = codec.join_params(request, await self._specs.spec_of(request, self._machine.limits))
             placed = await self._joining.join(params, request.member_secret, caller_of(context, self._callers),
                                               request.wait_timeout_ms / 1000, context.time_remaining())
-            return codec.join_response(placed, request.workers)
+            return codec.join_answer(placed, request.workers)
         except Exception as exc:
             self._fail(context, "Join", exc)
             del exc  # its traceback holds this frame, which would hold it: no cycle
