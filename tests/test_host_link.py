@@ -8,6 +8,8 @@ import pathlib
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -237,3 +239,45 @@ def test_a_link_that_speaks_garbage_is_dropped_and_the_host_serves_on(runtime):
             w.send("reduce")
         assert [w.event(30)["sums"]["GLOBAL"] for w in workers] == [3.0, 3.0]
         assert describe(server.address, "junk").joined == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_cannot_reach_a_hosts_link(runtime):
+    """The link's directory is its user's alone (0700), and the hub checks the caller's uid besides."""
+    server = Server("127.0.0.1")
+    workers = host_workers(server, "mine", 2, {"host-a": 2}, runtime)
+    with running([server, *workers]):
+        assert sorted(w.event(120)["rank"] for w in workers) == [0, 1]
+        (sock_path,) = (runtime / "commctx").glob("*.sock")
+        assert (runtime / "commctx").stat().st_mode & 0o777 == 0o700
+        code = subprocess.run([sys.executable, "-c", f"""
+import os, socket
+os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect({str(sock_path)!r})
+except PermissionError:
+    raise SystemExit(13)
+raise SystemExit(0)
+"""], timeout=30).returncode
+        assert code == 13
+        # Even with the directory opened up, the hub hangs up on another uid before reading a byte.
+        os.chmod(runtime, 0o755)
+        os.chmod(runtime / "commctx", 0o755)
+        os.chmod(sock_path, 0o777)
+        said = subprocess.run([sys.executable, "-c", f"""
+import os, socket
+os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_UNIX)
+s.connect({str(sock_path)!r})
+s.settimeout(5)
+try:
+    s.sendall(b'\\x00\\x00\\x00\\x02{{}}')
+    print(len(s.recv(100)))
+except (ConnectionResetError, BrokenPipeError):  # closed before, or with, the hello unread
+    print(0)
+"""], capture_output=True, text=True, timeout=30)
+        assert said.stdout.strip() == "0", said  # closed, nothing said (a uid of its own gets a refusal)
+        for w in workers:
+            w.send("reduce")
+        assert [w.event(30)["sums"]["GLOBAL"] for w in workers] == [3.0, 3.0]
