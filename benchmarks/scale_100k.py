@@ -236,6 +236,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
             workers = hosts * args.per_host
             out["rss_kib"], out["rss_no_conn_kib"] = (rss - base) / workers, (rss - connected) / workers
             step(f"{kind}: keep-alive {out['keepalive'] * 100:.1f} % of a core; one host stops renewing")
+            gc_before = scrape(server.metrics_url) if kind == "commctx" else {}
             for c in pipes:
                 c.send(hosts // 2)
             ready = wait(pipes, timeout=600)
@@ -246,6 +247,11 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
             out["first_told_s"] = min(r[0] for r in told) - expired if told else float("nan")
             out["last_told_s"] = max(r[1] for r in told) - expired if told else float("nan")
             out["told"], out["survivors"] = sum(r[2] for r in results), sum(r[3] for r in results)
+            if kind == "commctx":  # the GC pacer's passes from the host's hang to the last survivor told, by generation
+                after = scrape(server.metrics_url)
+                for g in "012":
+                    key = f'commctx_gc_pause_seconds_sum{{generation="{g}"}}'
+                    out[f"gc{g}_s"] = after.get(key, 0.0) - gc_before.get(key, 0.0)
             step(f"{kind}: re-formed, last survivor told {out['last_told_s']:.2f} s after the lease ran out")
             for c in pipes:
                 c.send("stop")
@@ -354,6 +360,8 @@ def row(r: dict, run) -> None:
         text += (f"; keep-alive {r['keepalive'] * 100:5.1f} % of a core; RSS {r['rss_kib']:.2f} KiB a worker "
                  f"({r['rss_no_conn_kib']:.2f} without the connections); re-form: first told {r['first_told_s']:.2f} s, "
                  f"last {r['last_told_s']:.2f} s after the lease ran out ({r['told']:.0f}/{r['survivors']:.0f} hosts told)")
+    if "gc0_s" in r:
+        text += f" (GC meanwhile: young {r['gc0_s']:.2f} s, middle {r['gc1_s']:.2f} s, full {r['gc2_s']:.2f} s)"
     print(text, flush=True)
 
 

@@ -201,3 +201,16 @@ def test_compress_roundtrip(ranks):
     runs = compress(ranks)
     assert expand(runs) == ranks
     assert len(runs) <= max(1, len(ranks))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.none() | st.integers(0, 2**32 - 1), st.text(max_size=40),
+       st.integers(0, 2**32 - 1))
+def test_a_workers_own_fields_written_by_hand_parse_as_protobuf_writes_them(rank, local_rank, previous, role, worker):
+    from commctx.server.rpc import wire
+    from commctx.v1 import rendezvous_pb2 as pb
+
+    expected = pb.Assignment(rank=rank, local_rank=local_rank, previous_rank=previous, role=role, worker=worker)
+    got = pb.Assignment.FromString(wire.own_bytes(rank, local_rank, previous, role, worker))
+    assert got == expected and got.HasField("previous_rank") == (previous is not None)
+    assert pb.Assignment.FromString(wire.field(0x62, b"\x0a\x03abc" * 50)).groups[0].mode == "abc"  # field 12, 250 bytes

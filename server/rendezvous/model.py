@@ -109,6 +109,7 @@ class Seat(NamedTuple):
     reason: str = ""  # why this generation formed ("" for a job's first world)
     previous_lost: bool = False  # members of the previous world went without a Leave
     worker: int = 0  # a host membership's worker: its index
+    groups: tuple[PlannedGroup, ...] = ()  # its groups in the plan (plan.groups_of(placement)), when known
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,9 +137,10 @@ class NewWorld:
         if p is None:
             return None
         before = self.previous.placement(member_id) if self.previous is not None else None
-        changed = self.changed_groups(self.plan.groups_of(p), before)
+        groups = self.plan.groups_of(p)
+        changed = self.changed_groups(groups, before)
         return Seat(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason,
-                    self.lost, worker)
+                    self.lost, worker, groups)
 
     def host_seats(self, member_id: str) -> list[Seat]:
         """A seated host membership's workers' seats, in its order."""

@@ -42,6 +42,7 @@ from ..rendezvous.model import Gone, JobEvent, JobState, JobView, NewWorld, Refo
 from ..rendezvous.params import JoinParams, Slot
 from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE
 from ..rendezvous.waiting import Placed
+from . import wire
 
 log = logging.getLogger("commctx.server")
 
@@ -178,7 +179,7 @@ def fill_assignment(m: pb.Assignment, a: Seat) -> None:
     m.MergeFrom(_node_fields(a.plan, a.placement.node_rank))
     m.MergeFrom(_own_fields(a.plan, a.placement, a.previous_rank, a.worker))
     m.changed_groups.extend(a.changed_groups)
-    m.groups.extend([_group_message(g) for g in a.plan.groups_of(a.placement)])
+    m.groups.extend([_group_message(g) for g in a.groups or a.plan.groups_of(a.placement)])
 
 
 def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
@@ -208,7 +209,7 @@ def join_answer(placed: Placed, workers: int = 0) -> pb.JoinResponse | bytes:
                            lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000)).SerializeToString()
     parts = _world_parts(world)
     assignments = [parts.assignment(seat) for seat in world.host_seats(member_id)]
-    return b"".join([head, _field(_JOIN_ASSIGNMENT, assignments[0]), *[_field(_JOIN_WORKERS, a) for a in assignments]])
+    return b"".join([head, wire.field(_JOIN_ASSIGNMENT, assignments[0]), *[wire.field(_JOIN_WORKERS, a) for a in assignments]])
 
 
 def _fill_host(m: pb.JoinResponse | pb.SessionEvent, world: NewWorld, member_id: str):
@@ -254,19 +255,13 @@ class _WorldParts:
     def assignment(self, seat: Seat) -> bytes:
         """A worker's Assignment, serialized: the parts it shares and its own fields."""
         p = seat.placement
-        own = _own_fields(self.world.plan, p, seat.previous_rank, seat.worker).SerializeToString()
-        return b"".join([self.common, self.node(p.node_rank), self.changed(seat.changed_groups), own,
-                         *[self.group(g) for g in self.world.plan.groups_of(p)]])
+        plan = self.world.plan
+        return b"".join([self.common, self.node(p.node_rank), self.changed(seat.changed_groups),
+                         wire.own_bytes(p.rank, p.local_rank, seat.previous_rank, plan.roles[p.rank] if plan.roles else "",
+                                    seat.worker),
+                         *[self.group(g) for g in seat.groups or plan.groups_of(p)]])
 
 
-def _field(tag: int, payload: bytes) -> bytes:
-    """A length-delimited field (`tag`: its number << 3 | 2), as protobuf writes it."""
-    n, length = len(payload), bytearray()
-    while n >= 0x80:
-        length.append(n & 0x7F | 0x80)
-        n >>= 7
-    length.append(n)
-    return bytes((tag,)) + bytes(length) + payload
 
 
 _ASSIGNMENT = pb.SessionEvent.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2
@@ -300,9 +295,9 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     parts = _world_parts(world)
     if world.hosts is not None and member_id in world.hosts:  # a host membership: each of its workers', in its order
         workers = [parts.assignment(seat) for seat in world.host_seats(member_id)]
-        return b"".join([_field(_ASSIGNMENT, workers[0]), *[_field(_WORKER_ASSIGNMENTS, w) for w in workers]])
+        return b"".join([wire.field(_ASSIGNMENT, workers[0]), *[wire.field(_WORKER_ASSIGNMENTS, w) for w in workers]])
     seat = world.assignment_for(member_id)
-    return None if seat is None else _field(_ASSIGNMENT, parts.assignment(seat))
+    return None if seat is None else wire.field(_ASSIGNMENT, parts.assignment(seat))
 
 
 def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
