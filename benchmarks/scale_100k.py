@@ -248,6 +248,9 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
             out["last_told_s"] = max(r[1] for r in told) - expired if told else float("nan")
             out["told"], out["survivors"] = sum(r[2] for r in results), sum(r[3] for r in results)
             if kind == "commctx":  # the GC pacer's passes from the host's hang to the last survivor told, by generation
+                with grpc.insecure_channel(server.address) as ch:  # no survivor lost its lease meanwhile
+                    d = pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id=JOB, node_page_size=1), timeout=60)
+                out["held"], out["generation"] = d.joined, d.generation
                 after = scrape(server.metrics_url)
                 for g in "012":
                     key = f'commctx_gc_pause_seconds_sum{{generation="{g}"}}'
@@ -362,6 +365,8 @@ def row(r: dict, run) -> None:
                  f"last {r['last_told_s']:.2f} s after the lease ran out ({r['told']:.0f}/{r['survivors']:.0f} hosts told)")
     if "gc0_s" in r:
         text += f" (GC meanwhile: young {r['gc0_s']:.2f} s, middle {r['gc1_s']:.2f} s, full {r['gc2_s']:.2f} s)"
+    if "held" in r:
+        text += f"; then the server held {r['held']:,.0f} workers in generation {r['generation']:.0f}"
     print(text, flush=True)
 
 
