@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import os
 import queue
 import socket
@@ -278,7 +279,7 @@ def run_job(backend: Backend, node_configs: list[Conf], exit_barrier_timeout: in
     agents in threads of one process fork their workers while the others' threads
     hold locks, and c10d's then hang in gloo's connect), node 0 (the c10d host) started last."""
     nnodes = len(node_configs)
-    agent_results = mp.get_context("forkserver").Queue()
+    agent_results = _fork_server().Queue()
     procs = []
     for node_idx in reversed(range(nnodes)):
         kwargs = {"conf": node_configs[node_idx], "agent_results": agent_results, "min_nodes": nnodes,
@@ -320,14 +321,34 @@ def _with_env(env: dict[str, str], target: Callable, args: tuple, kwargs: dict):
     return target(*args, **kwargs)
 
 
+def _fork_server() -> mp.context.BaseContext:
+    """The fork server's context, the server started once, importing this module, without
+    gRPC's fork support: the agents fork their workers while their rendezvous session's
+    thread is in gRPC, whose fork handlers then skip ("Other threads are currently calling
+    into gRPC"), and a forked worker once died of SIGSEGV in them. The workers never use
+    gRPC; gRPC's fork support is for children that do."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    saved = os.environ.get("GRPC_ENABLE_FORK_SUPPORT")
+    os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"  # read by the fork server's grpc import, not by this process's
+    try:
+        mp_forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["GRPC_ENABLE_FORK_SUPPORT"]
+        else:
+            os.environ["GRPC_ENABLE_FORK_SUPPORT"] = saved
+    return ctx
+
+
 def agent_process(target: Callable, *args, **kwargs) -> mp.BaseProcess:
     """`target` in a process of its own, forked from a fork server that has
     imported this module (torch's tests fork the test process, which runs gRPC
     here, or spawn one that imports torch for seconds). It starts with this
     process's environment, as a forked or spawned one would."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])  # before the fork server starts; later, a no-op
-    p = ctx.Process(target=_with_env, args=(dict(os.environ), target, args, kwargs))
+    ctx = _fork_server()
+    env = {**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "false"}  # (gRPC reads it again when it starts: see _fork_server)
+    p = ctx.Process(target=_with_env, args=(env, target, args, kwargs))
     p.start()
     return p
 
