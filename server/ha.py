@@ -141,9 +141,11 @@ class Replica:
             async with self._progress:
                 await asyncio.wait_for(self._progress.wait_for(lambda: self._revision >= epoch), self._ttl)
             jobs, members, events = self._values("jobs"), self._values("members"), self._values("events")
+            start = self._config.key_of("worlds", "")
+            worlds = {k: v for k, v in self._copy.items() if start <= k < prefix_end(start)}  # big worlds, in parts
         except TimeoutError:  # the watch lags: read the prefix itself
-            jobs = members = events = None
-        records = (await asyncio.to_thread(records_of, jobs, members, events) if jobs is not None
+            jobs = members = events = worlds = None
+        records = (await asyncio.to_thread(records_of, jobs, members, events, worlds, self._config) if jobs is not None
                    else await asyncio.to_thread(self._store.load))
         self.role = "leader"
         server.deposed.clear()

@@ -515,3 +515,45 @@ def test_etcd_over_mutual_tls_and_with_a_user(tmp_path):
             replica.stop()
     finally:
         plain.close()
+
+
+def test_etcd_keeps_a_100000_worker_world_in_parts_under_its_request_limit(etcd, tmp_path):
+    """A world of 12,500 hosts x 8 is 4.5 MB of JSON, three times what etcd takes in one
+    request (1.5 MiB by default): it is written in parts, read back whole (by a fresh store, as a
+    new leader would), replaced by a small world without leaving parts behind, and deleted with its job."""
+    from commctx.server.rendezvous.etcd import WORLD_PART_BYTES
+
+    big = Seating(tuple(SeatedNode(f"host{h:05d}", f"10.{h // 65536}.{h // 256 % 256}.{h % 256}",
+                                   tuple(f"{h:032x}/{i}" for i in range(1, 9))) for h in range(12_500)), (), "10.0.0.1", 29500)
+    config = EtcdConfig((etcd.endpoint,), prefix=f"/{tmp_path.name}")
+    writer = EtcdStore(config)
+    try:
+        epoch = writer.take_over()
+        writer.commit([PutJob(JobRecord("huge", JobSpec.build(100_000), "formed", 1, "", big)),
+                       PutJob(JobRecord("small", SPEC, "formed", 1, "", WORLD))], epoch)
+        parts = writer._call(writer._kv.Range, rpc_range(config, "worlds"))
+        assert len(parts.kvs) == 9 and max(len(kv.value) for kv in parts.kvs) <= WORLD_PART_BYTES  # 4.45 MB in 9
+        reader = EtcdStore(config)
+        try:
+            (huge, small) = reader.load()
+            assert huge.world == big and small.world == WORLD
+        finally:
+            reader.close()
+        writer.commit([PutJob(JobRecord("huge", JobSpec.build(100_000), "forming", 2, "shrunk", WORLD))], epoch)
+        assert writer._call(writer._kv.Range, rpc_range(config, "worlds")).count == 0
+        assert [j.world for j in writer.load()] == [WORLD, WORLD]
+        writer.commit([PutJob(JobRecord("huge", JobSpec.build(100_000), "formed", 3, "", big))], epoch)
+        writer.commit([DeleteJob("huge")], epoch)
+        assert writer._call(writer._kv.Range, rpc_range(config, "worlds")).count == 0
+        assert [j.job_id for j in writer.load()] == ["small"]
+    finally:
+        writer.close()
+
+
+def rpc_range(config: EtcdConfig, name: str):
+    from aetcd import rpc
+
+    from commctx.server.rendezvous.etcd import prefix_end
+
+    start = config.key_of(name, "")
+    return rpc.RangeRequest(key=start, range_end=prefix_end(start), count_only=False)

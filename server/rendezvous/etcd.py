@@ -6,6 +6,7 @@ Keys under the prefix (default `/commctx`):
 
     {prefix}/leader                       the writer: its address, on its election lease (HA)
     {prefix}/jobs/{job_id}                a JobRecord, JSON with named fields
+    {prefix}/worlds/{job_id}/{digest}/{i} a world too big for one request, in parts (WORLD_PART_BYTES)
     {prefix}/members/{job_id}/{member_id} a MemberRecord, JSON with named fields
     {prefix}/events/{job_id}/{seq:020}    a JobEvent of the job's history, JSON with named fields
 
@@ -26,10 +27,11 @@ TLS nor several endpoints, so the channels are made here.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -126,12 +128,24 @@ def credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(config.ca, config.key, config.cert)
 
 
-def job_value(job: JobRecord) -> bytes:
-    return json.dumps({
+WORLD_PART_BYTES = 512 * 1024  # a world's JSON above this is kept in parts: 100,000 workers' is 4.5 MB
+
+
+def job_value(job: JobRecord) -> tuple[bytes, str, list[bytes]]:
+    """The job key's value, and a world too big to go in it: its digest and parts
+    (the value then names them: "world_parts": [digest, count]); else "" and none."""
+    world = json.dumps(seating_record(job.world), separators=(",", ":")).encode() if job.world is not None else b"null"
+    digest, parts = "", []
+    if len(world) > WORLD_PART_BYTES:
+        digest = hashlib.sha256(world).hexdigest()[:32]
+        parts = [world[i:i + WORLD_PART_BYTES] for i in range(0, len(world), WORLD_PART_BYTES)]
+        world = b"null"
+    head = json.dumps({
         "job_id": job.job_id, "spec": job.spec.to_json(), "state": job.state, "generation": job.generation,
-        "reason": job.reason, "world": seating_record(job.world) if job.world is not None else None, "seal": job.seal,
-        "since": job.since, "retained_until": job.retained_until,
+        "reason": job.reason, "seal": job.seal, "since": job.since, "retained_until": job.retained_until,
+        **({"world_parts": [digest, len(parts)]} if parts else {}),
     }, separators=(",", ":")).encode()
+    return head[:-1] + b',"world":' + world + b"}", digest, parts
 
 
 def member_value(job_id: str, m: MemberRecord) -> bytes:
@@ -147,10 +161,11 @@ def event_key(config: EtcdConfig, job_id: str, seq: int) -> bytes:
     return config.key_of("events", job_id, f"{seq:020d}")
 
 
-def records_of(jobs: Sequence[bytes], members: Sequence[bytes], events: Sequence[bytes] = ()) -> list[JobRecord]:
-    """JobRecords from the values of job, member and event keys, ordered by job
-    id, each job's members in join order and events by seq (those without
-    their job are dropped)."""
+def records_of(jobs: Sequence[bytes], members: Sequence[bytes], events: Sequence[bytes] = (),
+               worlds: Mapping[bytes, bytes] | None = None, config: EtcdConfig | None = None) -> list[JobRecord]:
+    """JobRecords from the values of job, member and event keys (and the parts
+    of worlds kept apart, by key), ordered by job id, each job's members in join
+    order and events by seq (those without their job are dropped)."""
     by_job: dict[str, list[MemberRecord]] = {}
     for value in members:
         m = json.loads(value)
@@ -164,6 +179,10 @@ def records_of(jobs: Sequence[bytes], members: Sequence[bytes], events: Sequence
     out = []
     for value in jobs:
         j = json.loads(value)
+        if "world_parts" in j:  # written apart: its parts, in order, under the digest the job names
+            digest, count = j["world_parts"]
+            j["world"] = json.loads(b"".join((worlds or {})[config.key_of("worlds", j["job_id"], digest, f"{i:06d}")]
+                                             for i in range(count)))
         world = seating_from_record(j["world"]) if j["world"] is not None else None
         ms = tuple(sorted(by_job.get(j["job_id"], ()), key=lambda m: m.seq))
         out.append(JobRecord(j["job_id"], JobSpec.from_json(j["spec"]), j["state"], j["generation"], j["reason"],
@@ -189,10 +208,13 @@ class _Txn:
         return any(start <= key < end for start, end in self.ranges)
 
 
-def transactions(config: EtcdConfig, writes: Sequence[Write]) -> Iterator[list[rpc.RequestOp]]:
+def transactions(config: EtcdConfig, writes: Sequence[Write], parted: set[str] | None = None) -> Iterator[list[rpc.RequestOp]]:
     """The writes as etcd operations, grouped into transactions etcd accepts:
     a later write of a key replaces an earlier one of the same transaction, and
-    a put after a range delete that covers it starts the next transaction."""
+    a put after a range delete that covers it starts the next transaction.
+    `parted`: the jobs whose world is kept in parts (updated here); None: any may be."""
+    unknown = parted is None
+    parted = set() if parted is None else parted
     txn = _Txn()
 
     def add(key: bytes, op: rpc.RequestOp, size: int) -> Iterator[list[rpc.RequestOp]]:
@@ -219,8 +241,22 @@ def transactions(config: EtcdConfig, writes: Sequence[Write]) -> Iterator[list[r
             key, value = config.key_of("members", w.job_id, w.record.member_id), member_value(w.job_id, w.record)
             yield from add(key, rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)), len(value))
         elif isinstance(w, PutJob):
-            key, value = config.key_of("jobs", w.record.job_id), job_value(w.record)
+            # A world in parts: its parts first, then the job naming them, then the parts of other worlds
+            # of the job go. A writer fenced between these transactions leaves the job naming parts that exist.
+            key, (value, digest, parts) = config.key_of("jobs", w.record.job_id), job_value(w.record)
+            for i, part in enumerate(parts):
+                part_key = config.key_of("worlds", w.record.job_id, digest, f"{i:06d}")
+                yield from add(part_key, rpc.RequestOp(request_put=rpc.PutRequest(key=part_key, value=part)), len(part))
             yield from add(key, rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value)), len(value))
+            worlds = config.key_of("worlds", w.record.job_id, "")
+            if parts:
+                mine = config.key_of("worlds", w.record.job_id, digest, "")
+                yield from add_range(worlds, mine)
+                yield from add_range(prefix_end(mine), prefix_end(worlds))
+                parted.add(w.record.job_id)
+            elif unknown or w.record.job_id in parted:
+                yield from add_range(worlds, prefix_end(worlds))
+                parted.discard(w.record.job_id)
         elif isinstance(w, DeleteMember):
             key = config.key_of("members", w.job_id, w.member_id)
             yield from add(key, rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), len(key))
@@ -232,7 +268,9 @@ def transactions(config: EtcdConfig, writes: Sequence[Write]) -> Iterator[list[r
         elif isinstance(w, DeleteJob):
             key = config.key_of("jobs", w.job_id)
             yield from add(key, rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)), len(key))
-            for kind in ("members", "events"):
+            kinds = ("members", "events", "worlds") if unknown or w.job_id in parted else ("members", "events")
+            parted.discard(w.job_id)
+            for kind in kinds:
                 start = config.key_of(kind, w.job_id, "")
                 yield from add_range(start, prefix_end(start))
     if txn.ops or txn.ranges:
@@ -262,6 +300,7 @@ class EtcdStore(Store):
         self._auth = rpc.AuthStub(self.channel)
         self._token: tuple[tuple[str, str], ...] = ()
         self._lock = threading.Lock()
+        self._parted: set[str] | None = None  # jobs whose world is in parts; None until a load says (then: any may be)
 
     def _call(self, method, request):
         """One KV call with the user's token (fetched, and again once it expires).
@@ -288,7 +327,7 @@ class EtcdStore(Store):
 
     def commit(self, writes: Sequence[Write], epoch: int) -> None:
         with self._lock:
-            for ops in list(transactions(self.config, writes)) or [[]]:  # an empty commit still checks the fence
+            for ops in list(transactions(self.config, writes, self._parted)) or [[]]:  # an empty commit still checks the fence
                 reply = self._call(self._kv.Txn, rpc.TxnRequest(
                     compare=[fence(self.config, epoch)], success=ops,
                     failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self.config.leader_key))]))
@@ -298,9 +337,13 @@ class EtcdStore(Store):
 
     def load(self) -> list[JobRecord]:
         reply = self._call(self._kv.Txn, rpc.TxnRequest(success=[self._range("jobs"), self._range("members"),
-                                                                  self._range("events")]))
-        jobs, members, events = (r.response_range.kvs for r in reply.responses)
-        return records_of([kv.value for kv in jobs], [kv.value for kv in members], [kv.value for kv in events])
+                                                                  self._range("events"), self._range("worlds")]))
+        jobs, members, events, worlds = (r.response_range.kvs for r in reply.responses)
+        records = records_of([kv.value for kv in jobs], [kv.value for kv in members], [kv.value for kv in events],
+                             {kv.key: kv.value for kv in worlds}, self.config)
+        with self._lock:
+            self._parted = {kv.key.decode().split("/")[-3] for kv in worlds}
+        return records
 
     def _range(self, name: str) -> rpc.RequestOp:
         start = self.config.key_of(name, "")
