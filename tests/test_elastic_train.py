@@ -111,18 +111,20 @@ def by_rank(trainers: list[Trainer], rank: int) -> Trainer:
 
 @pytest.mark.slow(20)
 def test_a_killed_worker_costs_the_loop_no_step_and_a_replacement_is_healed():
-    with four_trainers("goodput-kill") as (server, trainers):
+    # A membership a worker, as benchmarks/goodput.py measured it. (Shared host memberships: tests/test_host_link.py.
+    # With them, this test hung once in a clean clone's CI run: rank 0 never left its step after the kill.)
+    with four_trainers("goodput-kill", share_host=False) as (server, trainers):
         victim = by_rank(trainers, 3)
         survivors = [t for t in trainers if t is not victim]
         killed_at = time.time()
         victim.kill()
         wait_for(survivors, lambda: all(len(in_world(t, 3, killed_at)) >= 3 for t in survivors), "3 survivors stepping")
-        # Its host's hub saw its link close (or, were it the hub, the worker taking over said so), or the survivors'
-        # failed collective told the server first: either way the dead worker went at once, not after a grace.
-        assert lost(server.address, "goodput-kill") in (["disconnected"], ["broke off"])
+        # The survivors' failed collective told the server, which dropped the
+        # dead member at once instead of after its reconnect grace.
+        assert lost(server.address, "goodput-kill") == ["broke off"]
         check_steps(survivors)
 
-        newcomer = Trainer(server, "goodput-kill", "newcomer")
+        newcomer = Trainer(server, "goodput-kill", "newcomer", share_host=False)
         with running([newcomer]):
             everyone = [*survivors, newcomer]
             wait_for(everyone, lambda: len(newcomer.steps) >= 3, "the newcomer stepping with the others")
