@@ -222,3 +222,23 @@ async def test_a_host_membership_over_the_wire(stub):
     assert (d.joined, d.generation) == (2, 2)
     session.cancel()
     watcher.cancel()
+
+
+@pytest.mark.parametrize("workers, removed_at_once", [(1, True), (2, False)], ids=["one worker", "two workers"])
+def test_a_failed_collective_drops_a_dead_host_of_one_worker_at_once_and_leaves_others_their_takeover(
+        rdzv, clock, workers, removed_at_once):
+    """A host membership whose session closed without a Leave: with one worker, nobody can take its session over,
+    so a peer's failed collective drops it at once, as a single member; with more, its other workers may take the
+    session over within the reconnect grace, which it keeps."""
+    spec = elastic(workers + 1, 1)
+    rdzv.join(host(spec, *(Slot(i + 1) for i in range(workers))))
+    _, actions, _ = rdzv.join(single(spec, "h2"))
+    (first,) = worlds(actions)
+    peer = next(m for m in rdzv._jobs["job"].members if m != HOST)
+    sinks = sessions(rdzv, [HOST, peer])
+    rdzv.close_session("job", HOST, sinks[HOST], departed=True)  # its hub's process died
+    actions = rdzv.report_failure("job", peer, first.generation)
+    assert (HOST not in rdzv._jobs["job"].members) == removed_at_once
+    if removed_at_once:
+        (second,) = worlds(actions)
+        assert [e.fields["why"] for e in rdzv._jobs["job"].events if e.kind == "lost"] == ["broke off"] and second.lost

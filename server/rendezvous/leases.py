@@ -131,7 +131,7 @@ class Leases:
             return actions
         member.session = None
         if (departed and member.lease in (Lease.FIRST, Lease.RENEWING) and job.failed == job.generation
-                and job.in_world(member_id) and not member.slots):  # a host's other workers may take its session over
+                and job.in_world(member_id) and len(member.slots) <= 1):  # a host's other workers may take its session over
             self._remove(job, member_id, BROKE_OFF, actions)
         elif departed and member.lease in (Lease.FIRST, Lease.RENEWING):
             member.lease = Lease.DETACHED
@@ -202,7 +202,9 @@ class Leases:
                 or job.state not in (JobState.FORMED, JobState.FORMING)):
             return actions
         job.failed = generation
-        detached = [mid for mid in job.survivors() if job.members[mid].lease is Lease.DETACHED and not job.members[mid].slots]
+        # (a host membership of several workers is left its grace: another of its workers takes its session over)
+        detached = [mid for mid in job.survivors()
+                    if job.members[mid].lease is Lease.DETACHED and len(job.members[mid].slots) <= 1]
         for mid in detached:
             if mid in job.members:  # not gone with the job (a world below its minimum fails, taking every member)
                 self._remove(job, mid, BROKE_OFF, actions)
