@@ -117,6 +117,18 @@ FAULTS = ("kill", "stop", "replace")
 LIGHTHOUSE = pathlib.Path(sys.executable).with_name("torchft_lighthouse")
 
 
+def all_reduce_grads(params) -> None:
+    """Sums the gradients over the workers, one flat all_reduce: the global batch's gradient."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
 def note(what: str) -> None:
     print(f"# {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
@@ -198,12 +210,7 @@ def run_torchrun_worker(args: argparse.Namespace) -> None:
         loss = loss_of(model, args, k, rank, world)
         pace(began, args, "compute")
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)  # the sum over the workers: the global batch's gradient
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        all_reduce_grads(params)
         opt.step()
         if rank == 0 and (k + 1) % args.ckpt_every == 0:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": k + 1}, ckpt + ".tmp")
@@ -275,8 +282,8 @@ def run_commctx_worker(args: argparse.Namespace) -> None:
     run by Elastic.run, which heals a newcomer from a survivor and moves the survivors to the next world without
     a restart. epoch: the generation."""
     log = Log(args, args.node)
-    import torch
-    import torch.distributed as dist
+    import torch  # noqa: F401  (timed: the "imported" event follows it)
+    import torch.distributed  # noqa: F401
 
     log.event("imported")
     from commctx import CommContext, CommMode
@@ -302,12 +309,7 @@ def run_commctx_worker(args: argparse.Namespace) -> None:
         loss = loss_of(model, args, k, rank, world)
         pace(began, args, "compute")
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)  # the sum over the workers: the global batch's gradient
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        all_reduce_grads(params)
         opt.step()  # after the step's last collective: a step that failed changed nothing
         pace(began, args, "end")
         log.step(k, rank, world, ctx.assignment.generation, model)

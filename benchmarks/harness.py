@@ -3,6 +3,7 @@ and /proc readings. Not a test helper: benchmarks only."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -11,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
@@ -132,3 +134,23 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def receive(conn: Connection, what: str, timeout_s: float = 300.0):
+    """The next message from a load process; raises if it failed (it sends ("error", traceback)) or fell silent."""
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"a load process said nothing for {timeout_s:g} s while {what}")
+    message = conn.recv()
+    if isinstance(message, tuple) and message and message[0] == "error":
+        raise RuntimeError(f"a load process failed while {what}:\n{message[1]}")
+    return message
+
+
+async def recv_async(conn: Connection):
+    """The next message from the driver, in a load process's event loop."""
+    return await asyncio.to_thread(conn.recv)
+
+
+def step(what: str) -> None:
+    """A timestamped progress line on stderr (the results go to stdout)."""
+    print(f"# {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)

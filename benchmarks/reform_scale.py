@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import threading
 import time
@@ -37,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from harness import commctx_server, relay_server, scrape, start_loads, tune_gc
+from harness import commctx_server, receive, recv_async, relay_server, scrape, start_loads, step, tune_gc
 
 JOB = "reform"
 
@@ -97,18 +96,8 @@ def load(first: int, count: int, address: str, total: int, ttl: float, channels:
         raise
 
 
-def receive(conn: Connection, what: str, timeout_s: float = 300.0):
-    """The next message from a load process; raises if it failed or fell silent."""
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"a load process said nothing for {timeout_s:g} s while {what}")
-    message = conn.recv()
-    if isinstance(message, tuple) and message and message[0] == "error":
-        raise RuntimeError(f"a load process failed while {what}:\n{message[1]}")
-    return message
 
 
-async def _recv(conn: Connection):
-    return await asyncio.to_thread(conn.recv)
 
 
 async def _load(address: str, first: int, count: int, total: int, ttl: float, channels: int, conn: Connection) -> None:
@@ -122,12 +111,12 @@ async def _load(address: str, first: int, count: int, total: int, ttl: float, ch
                       50000 + (first + i) % 10000 if r.assignment.rank == 0 else requests[i].master_port, ttl)
                for i, r in enumerate(joined)]
     conn.send("joined")
-    await _recv(conn)
+    await recv_async(conn)
     tasks = [asyncio.ensure_future(m.run(ttl / 3 * (first + i) / total)) for i, m in enumerate(members)]
     # Within two leases, or the run is void (a machine so busy that leases ran out before the sessions opened).
     await asyncio.wait_for(asyncio.gather(*(m.opened.wait() for m in members)), 2 * ttl)
     conn.send("open")
-    victim_rank = await _recv(conn)
+    victim_rank = await recv_async(conn)
     victim = next((m for m in members if m.rank == victim_rank), None)
     if victim is not None:
         victim.alive = False
@@ -139,7 +128,7 @@ async def _load(address: str, first: int, count: int, total: int, ttl: float, ch
         await asyncio.sleep(0.01)
     done = [m.gen2_at for m in survivors if m.gen2_at is not None]
     conn.send((max(done, default=0.0), len(done), len(survivors), min(done, default=0.0)))
-    await _recv(conn)
+    await recv_async(conn)
     for m in members:
         m.alive = False
         m.release.set()
@@ -176,8 +165,6 @@ class Prober:
         self._thread.join(90)
 
 
-def step(what: str) -> None:
-    print(f"# {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
 def reform(pipes: list[Connection], n: int, ttl: float, settled: Callable[[], object]) -> tuple[float, float, list]:

@@ -63,7 +63,7 @@ import grpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from harness import commctx_server, cpu_s, memory_kib, relay_server, scrape, start_loads, tune_gc
+from harness import commctx_server, cpu_s, memory_kib, receive, recv_async, relay_server, scrape, start_loads, step, tune_gc
 
 JOB = "fleet"
 
@@ -125,8 +125,6 @@ def load(first: int, count: int, address: str, hosts: int, per_host: int, ttl: f
         raise
 
 
-async def _recv(conn: Connection):
-    return await asyncio.to_thread(conn.recv)
 
 
 async def _load(address: str, first: int, count: int, hosts: int, per_host: int, ttl: float, sessions: bool,
@@ -140,21 +138,21 @@ async def _load(address: str, first: int, count: int, hosts: int, per_host: int,
                                host_workers=[pb.HostWorker(index=w + 1) for w in range(per_host)])
                 for i in range(count)]
     conn.send("connected")
-    await _recv(conn)
+    await recv_async(conn)
     started = time.monotonic()
     responses = await asyncio.gather(*(stub.Join(r) for stub, r in zip(stubs, requests)))
     conn.send((started, time.monotonic(), sum(len(r.worker_assignments) or 1 for r in responses)))
     if not sessions:
-        await _recv(conn)
+        await recv_async(conn)
         for c in channels:
             await c.close()
         return
     members = [Host(stubs[i], first + i, r, requests[i].master_port, ttl) for i, r in enumerate(responses)]
-    await _recv(conn)
+    await recv_async(conn)
     tasks = [asyncio.ensure_future(m.run(ttl / 3 * (first + i) / hosts)) for i, m in enumerate(members)]
     await asyncio.wait_for(asyncio.gather(*(m.opened.wait() for m in members)), 2 * ttl)
     conn.send("open")
-    victim_index = await _recv(conn)
+    victim_index = await recv_async(conn)
     victim = next((m for m in members if m.index == victim_index), None)
     if victim is not None:
         victim.alive = False
@@ -166,7 +164,7 @@ async def _load(address: str, first: int, count: int, hosts: int, per_host: int,
         await asyncio.sleep(0.01)
     told = [m.told_at for m in survivors if m.told_at is not None]
     conn.send((min(told, default=0.0), max(told, default=0.0), len(told), len(survivors)))
-    await _recv(conn)
+    await recv_async(conn)
     for m in members:
         m.alive = False
         m.release.set()
@@ -177,17 +175,8 @@ async def _load(address: str, first: int, count: int, hosts: int, per_host: int,
         await c.close()
 
 
-def receive(conn: Connection, what: str, timeout_s: float = 600.0):
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"a load process said nothing for {timeout_s:g} s while {what}")
-    message = conn.recv()
-    if isinstance(message, tuple) and message and message[0] == "error":
-        raise RuntimeError(f"a load process failed while {what}:\n{message[1]}")
-    return message
 
 
-def step(what: str) -> None:
-    print(f"# {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict:

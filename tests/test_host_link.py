@@ -23,6 +23,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Proc, Server, running, worker
+from .test_faults import describe, sums_of
 from .worker import reduce_all
 
 
@@ -34,16 +35,6 @@ def runtime():
     shutil.rmtree(path, ignore_errors=True)
 
 TTL = 2.0
-
-
-def sums_of(result: dict) -> dict[str, float]:
-    """What all_reduce of (rank + 1) gives on each group of a worker's result."""
-    return {m: float(sum(x + 1 for x in g)) for m, g in result["groups"].items()}
-
-
-def describe(address: str, job: str) -> pb.JobDescription:
-    with grpc.insecure_channel(address) as ch:
-        return pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id=job), timeout=5)
 
 
 def scrape(url: str) -> dict[str, float]:

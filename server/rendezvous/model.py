@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from commctx.common.planning import Candidate, JobSpec, Placement, PlannedGroup, WorldPlan
 
-from .params import JoinParams
+from .params import JoinParams, role_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,12 +239,7 @@ class Member:
 
     def roles(self) -> list[tuple[str, int]]:
         """The workers it holds, as (role, how many)."""
-        if not self.slots:
-            return [(self.role, self.workers)]
-        counts: dict[str, int] = {}
-        for s in self.slots:
-            counts[s.role] = counts.get(s.role, 0) + 1
-        return list(counts.items())
+        return role_counts(self.role, self.workers, self.slots)
 
     def worker_ids(self, member_id: str) -> list[str]:
         """The ids its workers are seated under."""

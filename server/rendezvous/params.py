@@ -103,12 +103,7 @@ class JoinParams(NamedTuple):
 
     def roles(self) -> list[tuple[str, int]]:
         """The workers it brings, as (role, how many)."""
-        if not self.slots:
-            return [(self.role, self.workers)]
-        counts: dict[str, int] = {}
-        for s in self.slots:
-            counts[s.role] = counts.get(s.role, 0) + 1
-        return list(counts.items())
+        return role_counts(self.role, self.workers, self.slots)
 
     @classmethod
     def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
@@ -189,3 +184,13 @@ def _check_slots(slots: tuple[Slot, ...], spec: JobSpec, role: str, local_rank: 
                 raise BadRequest(f"host_workers local_rank {s.local_rank} of worker {s.index} is "
                                  f"{'given twice' if s.local_rank in ranks else f'not below world_size {spec.world_size}'}")
             ranks.add(s.local_rank)
+
+
+def role_counts(role: str, workers: int, slots: tuple[Slot, ...]) -> list[tuple[str, int]]:
+    """A membership's workers as (role, how many): a host membership's by its slots' roles, in their order."""
+    if not slots:
+        return [(role, workers)]
+    counts: dict[str, int] = {}
+    for s in slots:
+        counts[s.role] = counts.get(s.role, 0) + 1
+    return list(counts.items())
