@@ -11,7 +11,6 @@ as in the seed. CUDA is touched only when the backend is NCCL.
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -24,6 +23,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from .assignment import Assignment
 from .errors import GroupNotFound, InvalidArgument, MemberNotFound, UsageError
 from .launched import LaunchedWorker
+from .machine import default_node_key, host_id
 from .lifecycle import (
     LauncherEnv,
     Membership,
@@ -117,7 +117,10 @@ class CommContext:
             job_id: The job to join; workers with the same id form one world.
                 Default: COMMCTX_JOB_ID.
             world_size: Number of workers in the job.
-            node_key: Identifies this worker's node; default: the hostname.
+            node_key: Identifies this worker's node; default: the hostname and a
+                digest of /etc/machine-id ('gpu7_3f2a9c1e'), so that two hosts
+                of one name stay two nodes. The server refuses a default key
+                that arrives from two machines; a key given here is trusted.
             local_rank: This worker's rank in its node, if the launcher knows it.
             node_rank: This node's rank, if the launcher knows it.
             role: This worker's role (e.g. "trainer"), for role-based groups.
@@ -234,7 +237,8 @@ class CommContext:
         request = pb.JoinRequest(
             job_id=job_id, spec=job_spec_of(spec, world_size), role=role or "",
             job_secret=job_secret or "",
-            node_key=node_key or socket.gethostname(), local_rank=local_rank, node_rank=node_rank,
+            node_key=node_key or default_node_key(), local_rank=local_rank, node_rank=node_rank,
+            host_id="" if node_key else host_id(),  # a key pinned on purpose is not checked against the machine
         )
         tls = tls_of(tls_ca, tls_cert, tls_key, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
         try:

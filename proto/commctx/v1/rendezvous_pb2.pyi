@@ -155,7 +155,7 @@ class RankList(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret", "job_secret", "workers", "host_workers")
+    __slots__ = ("job_id", "spec", "node_key", "address", "master_port", "local_rank", "node_rank", "wait_timeout_ms", "role", "member_id", "member_secret", "job_secret", "workers", "host_workers", "host_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class JoinRequest(_message.Message):
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     HOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     node_key: str
@@ -184,7 +185,8 @@ class JoinRequest(_message.Message):
     job_secret: str
     workers: int
     host_workers: _containers.RepeatedCompositeFieldContainer[HostWorker]
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., workers: _Optional[int] = ..., host_workers: _Optional[_Iterable[_Union[HostWorker, _Mapping]]] = ...) -> None: ...
+    host_id: str
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., node_key: _Optional[str] = ..., address: _Optional[str] = ..., master_port: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., wait_timeout_ms: _Optional[int] = ..., role: _Optional[str] = ..., member_id: _Optional[str] = ..., member_secret: _Optional[str] = ..., job_secret: _Optional[str] = ..., workers: _Optional[int] = ..., host_workers: _Optional[_Iterable[_Union[HostWorker, _Mapping]]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class HostWorker(_message.Message):
     __slots__ = ("index", "role", "local_rank")
@@ -371,19 +373,21 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeJobRequest(_message.Message):
-    __slots__ = ("job_id", "job_secret", "node_page_size", "node_page_token")
+    __slots__ = ("job_id", "job_secret", "node_page_size", "node_page_token", "run")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     NODE_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_secret: str
     node_page_size: int
     node_page_token: str
-    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., node_page_size: _Optional[int] = ..., node_page_token: _Optional[str] = ...) -> None: ...
+    run: int
+    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., node_page_size: _Optional[int] = ..., node_page_token: _Optional[str] = ..., run: _Optional[int] = ...) -> None: ...
 
 class JobDescription(_message.Message):
-    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready", "num_nodes", "next_node_page_token", "refused", "last_refused")
+    __slots__ = ("job_id", "state", "generation", "spec", "joined", "missing", "nodes", "reason", "forming_for_s", "missing_nodes", "waiting", "not_ready", "num_nodes", "next_node_page_token", "refused", "last_refused", "run", "started_at", "ended_at", "other_runs")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[JobDescription.State]
@@ -414,6 +418,10 @@ class JobDescription(_message.Message):
     NEXT_NODE_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     LAST_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    OTHER_RUNS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobDescription.State
     generation: int
@@ -430,7 +438,11 @@ class JobDescription(_message.Message):
     next_node_page_token: str
     refused: int
     last_refused: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ..., num_nodes: _Optional[int] = ..., next_node_page_token: _Optional[str] = ..., refused: _Optional[int] = ..., last_refused: _Optional[str] = ...) -> None: ...
+    run: int
+    started_at: float
+    ended_at: float
+    other_runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobDescription.State, str]] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., joined: _Optional[int] = ..., missing: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeDescription, _Mapping]]] = ..., reason: _Optional[str] = ..., forming_for_s: _Optional[float] = ..., missing_nodes: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ..., not_ready: _Optional[int] = ..., num_nodes: _Optional[int] = ..., next_node_page_token: _Optional[str] = ..., refused: _Optional[int] = ..., last_refused: _Optional[str] = ..., run: _Optional[int] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., other_runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "time", "kind", "generation", "message", "fields")
@@ -449,16 +461,18 @@ class JobEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., generation: _Optional[int] = ..., message: _Optional[str] = ..., fields: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class ListEventsRequest(_message.Message):
-    __slots__ = ("job_id", "job_secret", "page_size", "page_token")
+    __slots__ = ("job_id", "job_secret", "page_size", "page_token", "run")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_secret: str
     page_size: int
     page_token: str
-    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    run: int
+    def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., run: _Optional[int] = ...) -> None: ...
 
 class ListEventsResponse(_message.Message):
     __slots__ = ("events", "next_page_token")
@@ -479,12 +493,14 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_secret: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token")
+    __slots__ = ("page_size", "page_token", "include_ended")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_ENDED_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    include_ended: bool
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., include_ended: _Optional[bool] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs", "next_page_token")
@@ -495,15 +511,17 @@ class ListJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobDescription, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class NodeDescription(_message.Message):
-    __slots__ = ("node_key", "address", "workers", "node_rank", "roles")
+    __slots__ = ("node_key", "address", "workers", "addresses", "node_rank", "roles")
     NODE_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
     node_key: str
     address: str
     workers: int
+    addresses: _containers.RepeatedScalarFieldContainer[str]
     node_rank: int
     roles: _containers.RepeatedCompositeFieldContainer[RoleCount]
-    def __init__(self, node_key: _Optional[str] = ..., address: _Optional[str] = ..., workers: _Optional[int] = ..., node_rank: _Optional[int] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ...) -> None: ...
+    def __init__(self, node_key: _Optional[str] = ..., address: _Optional[str] = ..., workers: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., node_rank: _Optional[int] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ...) -> None: ...
