@@ -357,6 +357,10 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
                                    "replicas (--addr a:1,b:2, or a name that resolves to several) it asks the leader.")
     add_connection_arguments(p)
     p.add_argument("--job", help="describe this job in detail")
+    p.add_argument("--run", type=int, default=0, metavar="N", dest="run_number",
+                   help="with --job: describe run N of the job id (default: the live run, else the latest that ended)")
+    p.add_argument("--all", action="store_true",
+                   help="also the runs that ended (finished, failed, closed) and are kept (--retain-ended-s)")
     p.add_argument("--job-secret", default=None, help="the job's secret, if it is sealed (default COMMCTX_JOB_SECRET)")
     p.add_argument("--nodes", type=int, default=1000, metavar="N",
                    help="with --job: list at most N nodes (default 1000; 0: all, read page by page)")
@@ -367,7 +371,21 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
 
 
 _STATE = {pb.JobDescription.FORMING: "forming", pb.JobDescription.FORMED: "formed", pb.JobDescription.FAILED: "failed",
-          pb.JobDescription.ENDED: "ended"}
+          pb.JobDescription.ENDED: "ended", pb.JobDescription.CLOSED: "closed"}
+
+
+def _size(d: pb.JobDescription) -> str:
+    """'3/4' workers, or for a job of nodes (torchrun's) '4 on 2/2 nodes': its size counts nodes."""
+    if d.spec.HasField("nodes"):
+        n = d.spec.nodes
+        wanted = f"{n.min}..{n.max}" if n.min != n.max else str(n.max)
+        return f"{d.joined} on {d.num_nodes}/{wanted} nodes"
+    return f"{d.joined}/{d.spec.world_size}"
+
+
+def _ended(d: pb.JobDescription) -> str:
+    """How long ago the run ended ('' while it runs)."""
+    return f"{max(0.0, time.time() - d.ended_at):.0f}s ago" if d.ended_at else ""
 
 
 def _role_counts(n: pb.NodeDescription) -> str:
@@ -375,10 +393,10 @@ def _role_counts(n: pb.NodeDescription) -> str:
 
 
 def job_table(jobs: Sequence[pb.JobDescription]) -> str:
-    rows = [("JOB", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "REASON")]
+    rows = [("JOB", "RUN", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "ENDED", "REASON")]
     for d in jobs:
-        rows.append((d.job_id, _STATE.get(d.state, "?"), str(d.generation), f"{d.joined}/{d.spec.world_size}",
-                     str(d.missing), str(d.num_nodes), f"{d.forming_for_s:.0f}s", d.reason))
+        rows.append((d.job_id, str(d.run or ""), _STATE.get(d.state, "?"), str(d.generation), _size(d), str(d.missing),
+                     str(d.num_nodes), f"{d.forming_for_s:.0f}s" if not d.ended_at else "", _ended(d), d.reason))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     if len(rows) == 1:
         return "no jobs"
@@ -386,11 +404,18 @@ def job_table(jobs: Sequence[pb.JobDescription]) -> str:
 
 
 def job_detail(d: pb.JobDescription) -> str:
-    lines = [
-        f"job {d.job_id}: {_STATE.get(d.state, '?')}, generation {d.generation}, "
-        f"{d.joined} of {d.spec.world_size} workers joined, {d.missing} missing, "
-        f"{'forming' if d.state == pb.JobDescription.FORMING else 'since first join'} for {d.forming_for_s:.1f} s",
-    ]
+    joined = (f"{d.joined} workers on {_size(d).split(' on ')[1]} joined" if d.spec.HasField("nodes")
+              else f"{d.joined} of {d.spec.world_size} workers joined")
+    head = f"job {d.job_id} (run {d.run}): {_STATE.get(d.state, '?')}, generation {d.generation}, "
+    if d.ended_at:
+        began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.started_at)) if d.started_at else "?"
+        lines = [head + f"ended {_ended(d)} (began {began}, ran {d.ended_at - d.started_at:.1f} s); these nodes took part:"
+                 if d.started_at else head + f"ended {_ended(d)}; these nodes took part:"]
+    else:
+        lines = [head + f"{joined}, {d.missing} missing, "
+                 f"{'forming' if d.state == pb.JobDescription.FORMING else 'since first join'} for {d.forming_for_s:.1f} s"]
+    if d.other_runs:
+        lines.append(f"other runs of this id kept: {', '.join(map(str, d.other_runs))} (--run N describes one)")
     if d.reason:
         lines.append(f"why: {d.reason}")
     if d.waiting:
@@ -400,8 +425,9 @@ def job_detail(d: pb.JobDescription) -> str:
     if d.missing_nodes:
         lines.append(f"node keys that have not shown up: {', '.join(d.missing_nodes)}")
     formed = d.state == pb.JobDescription.FORMED
-    rows = [("NODE_RANK" if formed else "", "NODE_KEY", "ADDRESS", "WORKERS", "ROLES")]
-    rows += [(str(n.node_rank) if formed else "", n.node_key, n.address, str(n.workers), _role_counts(n)) for n in d.nodes]
+    rows = [("NODE_RANK" if formed or d.ended_at else "", "NODE_KEY", "ADDRESS", "WORKERS", "ROLES")]
+    rows += [(str(n.node_rank) if formed or d.ended_at else "", n.node_key, ",".join(n.addresses) or n.address, str(n.workers),
+              _role_counts(n)) for n in d.nodes]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).strip() for r in rows]
     if d.num_nodes > len(d.nodes):
@@ -409,11 +435,12 @@ def job_detail(d: pb.JobDescription) -> str:
     return "\n".join(lines)
 
 
-def describe_job(stub: pb_grpc.RendezvousStub | LeaderStub, job_id: str, secret: str, max_nodes: int) -> pb.JobDescription:
-    """The job with its first `max_nodes` nodes (0: all), read page by page."""
+def describe_job(stub: pb_grpc.RendezvousStub | LeaderStub, job_id: str, secret: str, max_nodes: int,
+                 run: int = 0) -> pb.JobDescription:
+    """The job (run `run`; 0: the live one, else the latest kept) with its first `max_nodes` nodes (0: all), read page by page."""
     def page(size: int, token: str = "") -> pb.JobDescription:
         return stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id, job_secret=secret, node_page_size=size,
-                                                      node_page_token=token), timeout=10)
+                                                      node_page_token=token, run=run), timeout=10)
 
     d = page(min(max_nodes or 10_000, 10_000))
     while d.next_node_page_token and (not max_nodes or len(d.nodes) < max_nodes):
@@ -423,11 +450,11 @@ def describe_job(stub: pb_grpc.RendezvousStub | LeaderStub, job_id: str, secret:
     return d
 
 
-def list_jobs(stub: pb_grpc.RendezvousStub | LeaderStub) -> list[pb.JobDescription]:
-    """Every job, page by page."""
+def list_jobs(stub: pb_grpc.RendezvousStub | LeaderStub, ended: bool = False) -> list[pb.JobDescription]:
+    """Every job, page by page (`ended`: and every kept run that ended)."""
     jobs, token = [], ""
     while True:
-        page = stub.ListJobs(pb.ListJobsRequest(page_size=1000, page_token=token), timeout=5)
+        page = stub.ListJobs(pb.ListJobsRequest(page_size=1000, page_token=token, include_ended=ended), timeout=5)
         jobs.extend(page.jobs)
         token = page.next_page_token
         if not token:
@@ -481,10 +508,10 @@ def _status(args: argparse.Namespace, stop: _Stop | None) -> int:
             try:
                 if args.job:
                     secret = args.job_secret or os.environ.get("COMMCTX_JOB_SECRET", "")
-                    d = describe_job(stub, args.job, secret, max(args.nodes, 0))
+                    d = describe_job(stub, args.job, secret, max(args.nodes, 0), max(args.run_number, 0))
                     text = json_format.MessageToJson(d) if args.json else job_detail(d)
                 else:
-                    jobs = list_jobs(stub)
+                    jobs = list_jobs(stub, args.all)
                     text = json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2) if args.json else job_table(jobs)
             except grpc.RpcError as exc:
                 print(f"{endpoints.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -536,6 +563,8 @@ def add_events_parser(sub: argparse._SubParsersAction) -> None:
     add_connection_arguments(p)
     p.add_argument("--job", required=True, help="the job")
     p.add_argument("--job-secret", default=None, help="the job's secret, if it is sealed (default COMMCTX_JOB_SECRET)")
+    p.add_argument("--run", type=int, default=0, metavar="N", dest="run_number",
+                   help="the events of run N of the job id (default: the live run, else the latest that ended)")
     p.add_argument("--after", type=int, default=0, metavar="SEQ", help="only events after this seq (default: all kept)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing events as they happen")
     p.add_argument("--json", action="store_true", help="one JSON object per event and line")
@@ -558,15 +587,15 @@ def run_events(args: argparse.Namespace) -> int:
         stub = LeaderStub(endpoints)
         token = str(last) if last else ""
         while True:
-            page = stub.ListEvents(pb.ListEventsRequest(job_id=args.job, job_secret=secret, page_size=1000, page_token=token),
-                                   timeout=10)
+            page = stub.ListEvents(pb.ListEventsRequest(job_id=args.job, job_secret=secret, page_size=1000, page_token=token,
+                                                        run=max(args.run_number, 0)), timeout=10)
             for e in page.events:
                 print(event_line(e, args.json), flush=True)
                 last = e.seq
             token = page.next_page_token
             if not token:
                 break
-        while args.follow:
+        while args.follow and not args.run_number:  # a run that ended has nothing more to say
             try:
                 for e in endpoints.stub.WatchEvents(pb.WatchEventsRequest(job_id=args.job, job_secret=secret, after_seq=last)):
                     print(event_line(e, args.json), flush=True)

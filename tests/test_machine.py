@@ -598,7 +598,7 @@ def test_an_expiry_storm_is_served_in_slices(rdzv, clock):
     assert sum(1 for w in actions.writes if isinstance(w, DeleteMember)) == 20 and more
     rdzv.expire_due(limit=20)
     actions, more = rdzv.expire_due(limit=20)
-    assert not more and rdzv.job_ids() == ["job"]  # failed: kept to say why
+    assert not more and rdzv.job_ids(ended=True) == ["job"]  # failed: kept to say why
 
 
 def test_keepalive_with_another_generation_is_stale(rdzv):
@@ -755,7 +755,10 @@ def test_a_graceful_leave_ends_a_fixed_job_without_failing_it(rdzv):
     assert "finished" in gone.reason and "fewer than" not in gone.reason and gone.ended  # the client logs it at INFO
     assert [n.event for n in actions.notes] == ["removed", "ended"]
     rdzv.leave("job", b)
-    assert rdzv.job_ids() == []  # no tombstone: nothing failed
+    ended = rdzv.describe("job")  # the run is kept, as ended, and the id is free for the next
+    assert (ended.state, ended.run, ended.joined, [n.workers for n in ended.nodes]) == (JobState.ENDED, 1, 2, [2])
+    _, actions = join(rdzv, params(spec))
+    assert rdzv.describe("job").run == 2 and rdzv.describe("job").other_runs == (1,)
 
 
 def test_a_late_session_catches_up(rdzv):
@@ -878,7 +881,7 @@ def test_failed_jobs_are_kept_within_their_count_the_oldest_dropped_first(clock)
     rdzv.expire_due()
     clock.now += TTL
     rdzv.expire_due()
-    assert rdzv.job_ids() == ["j2", "j3"]  # j1, the oldest, was dropped to keep two
+    assert rdzv.job_ids(ended=True) == ["j2", "j3"]  # j1, the oldest, was dropped to keep two
     assert rdzv.describe("j3").state is JobState.FAILED
     clock.now += 60
     rdzv.expire_due()
@@ -914,21 +917,21 @@ def test_failed_jobs_kept_and_the_age_of_a_job_survive_a_restart(clock):
     writes = persist(rdzv.expire_due()[0]).writes
     tick(TTL)
     writes += persist(rdzv.expire_due()[0]).writes
-    assert DeleteJob("j1") in writes  # the oldest, dropped from the store too
+    assert DeleteJob("j1#1") in writes  # the oldest, dropped from the store too (its key: job id and run)
     tick(20)
     later = FakeClock()  # a restart: the monotonic clock starts anew
     again = Rendezvous(lease_ttl_s=TTL, clock=later, wall=wall, limits=limits)
     again.restore(store.load(), grace_s=5)
-    assert again.job_ids() == ["forming", "j2", "j3"]
+    assert again.job_ids(ended=True) == ["forming", "j2", "j3"]
     view = again.describe("j3")
     assert view.state is JobState.FAILED and "fewer than the minimum of 2" in view.reason
     assert again.describe("forming").forming_for_s == pytest.approx(3 + 2 * TTL + 20)  # AGE goes on
     later.now += 60 - TTL - 20 - 1  # their workers were gone TTL + 20 s before the restart; 60 s are kept
     again.expire_due()
-    assert again.job_ids() == ["j2", "j3"]  # (the forming job's worker did not re-attach within the grace)
+    assert again.job_ids(ended=True) == ["j2", "j3"]  # (the forming job's worker did not re-attach within the grace)
     later.now += 2
     actions, _ = again.expire_due()
-    assert again.job_ids() == [] and {DeleteJob("j2"), DeleteJob("j3")} <= set(actions.writes)
+    assert again.job_ids(ended=True) == [] and {DeleteJob("j2#1"), DeleteJob("j3#1")} <= set(actions.writes)
 
 
 def test_a_formed_jobs_age_counts_from_its_world_across_a_restart(clock):
@@ -1243,7 +1246,7 @@ def test_an_elastic_job_of_nodes_forms_at_its_minimum_after_the_last_call_and_gr
     assert (world.plan.world_size, world.generation) == (5, 2)
 
 
-def test_closing_a_job_tells_everyone_and_refuses_later_joins_while_it_is_kept(clock):
+def test_closing_a_job_tells_everyone_refuses_its_late_joiners_and_its_id_then_takes_a_new_run(clock):
     store = MemoryStore()
     rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=clock)
     spec = node_spec(2, 2)
@@ -1257,15 +1260,15 @@ def test_closing_a_job_tells_everyone_and_refuses_later_joins_while_it_is_kept(c
     (stopped,) = [o for _, o in actions.wakes if isinstance(o, JobStopped)]
     assert stopped.closed  # the standby's wait ends: closed
     assert rdzv.describe("run").state is JobState.CLOSED
-    with pytest.raises(Closed, match="was closed"):
-        rdzv.join(node_params(spec, "d", 1))
+    with pytest.raises(Closed, match="was closed: .*; its id takes a new run once its 2 members are gone"):
+        rdzv.join(node_params(spec, "d", 1))  # a late joiner of the closed run (torch: RendezvousClosedError)
     store.commit([*actions.writes, *rdzv.leave("run", b).writes, *rdzv.withdraw("run", waiting_standby).writes], store.take_over())
-    with pytest.raises(Closed, match="it takes no more joins for 300 s"):  # kept a while after its last member left
-        rdzv.join(node_params(spec, "d", 1))
+    kept = rdzv.describe("run")  # kept after its last member left, with who took part
+    assert (kept.state, kept.run, [n.node_key for n in kept.nodes]) == (JobState.CLOSED, 1, ["a", "b"])
     again = Rendezvous(lease_ttl_s=TTL, clock=clock, wall=clock)
     again.restore(store.load(), grace_s=TTL)  # and across a restart
-    with pytest.raises(Closed):
-        again.join(node_params(spec, "d", 1))
-    clock.now += rdzv.limits.retain_ended_s
-    rdzv.expire_due()
-    join(rdzv, node_params(spec, "d", 1))  # forgotten: the id is free again
+    assert (again.describe("run").state, again.describe("run").run) == (JobState.CLOSED, 1)
+    for machine in (rdzv, again):  # the id takes a new run, as c10d's does
+        join(machine, node_params(spec, "d", 1))
+        assert (machine.describe("run").run, machine.describe("run").state, machine.describe("run", run=1).state) == (
+            2, JobState.FORMING, JobState.CLOSED)

@@ -263,7 +263,9 @@ async def test_keepalive_leave_and_unknown_members(stub):
     # the other member is untouched
     assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, member_secret=s1, generation=1))).generation == 1
     await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m1, member_secret=s1))
-    await expect_error(stub.DescribeJob(pb.DescribeJobRequest(job_id="ka")), Code.NOT_FOUND, "no job 'ka'")
+    await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, member_secret=s1, generation=1)),
+                       Code.NOT_FOUND, "job 'ka' has no run under way: run 1 ended")  # kept to describe, nobody in it
+    assert (await stub.DescribeJob(pb.DescribeJobRequest(job_id="ka"))).state == pb.JobDescription.ENDED
 
 
 async def test_a_client_secret_binds_its_member_id(stub):

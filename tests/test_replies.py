@@ -99,14 +99,14 @@ async def test_status_reads_a_job_of_100k_members(server, stub):
     shown = await asyncio.to_thread(subprocess.run, args, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
-    assert lines[0].startswith(f"job huge: formed, generation 1, {BIG} of {BIG} workers joined")
+    assert lines[0].startswith(f"job huge (run 1): formed, generation 1, {BIG} of {BIG} workers joined")
     assert lines[-1] == f"... {BIG - 1000} more nodes (--nodes 0 lists them all)"
     every = await asyncio.to_thread(subprocess.run, [*args, "--nodes", "0"], capture_output=True, text=True, timeout=60)
     assert every.returncode == 0, every.stderr
     rows = [line.split() for line in every.stdout.splitlines()[2:]]
     assert len(rows) == BIG and [int(r[0]) for r in rows] == list(range(BIG))
     table = await asyncio.to_thread(subprocess.run, args[:4], capture_output=True, text=True, timeout=60)
-    assert table.stdout.splitlines()[1].split()[:6] == ["huge", "formed", "1", f"{BIG}/{BIG}", "0", str(BIG)]
+    assert table.stdout.splitlines()[1].split()[:7] == ["huge", "1", "formed", "1", f"{BIG}/{BIG}", "0", str(BIG)]
 
     # A healthy small job beside it is served as usual.
     small = await stub.Join(join_request("small", 1))

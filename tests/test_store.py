@@ -300,6 +300,8 @@ def test_a_schema_5_database_is_migrated_and_its_members_hold_no_host_workers(tm
     store.close()
     db = sqlite3.connect(tmp_path / "commctx.sqlite3")  # back to schema 5: members without the slots column
     db.execute("ALTER TABLE members DROP COLUMN slots")
+    for column in ("run", "started", "ended"):
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
     db.execute("PRAGMA user_version = 5")
     db.commit()
     db.close()
@@ -324,7 +326,7 @@ def test_unusable_state_is_one_error_naming_the_path(tmp_path):
     db = sqlite3.connect(future / "commctx.sqlite3")
     db.execute("PRAGMA user_version = 9")
     db.close()
-    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 6"):
+    with pytest.raises(StoreError, match="has schema version 9; this server reads up to 7"):
         SqliteStore(future)
 
 

@@ -61,10 +61,6 @@ class Admission:
                 raise
         else:
             self._check_room(p)
-        kept = self._failed.get(p.job_id) if job is None else None
-        if kept is not None and kept[0].state is JobState.CLOSED:
-            raise Closed(f"job {p.job_id!r} was closed: {kept[0].reason}; it takes no more joins for "
-                         f"{max(0.0, kept[1] - self._clock()):.0f} s (use another job id)")
         if job is None and len(self._jobs) >= self.limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
@@ -74,10 +70,8 @@ class Admission:
             self.shares.take(JOBS, caller)  # last: nothing to give back if it refuses
         now = self._clock()
         actions = Actions()
-        if job is None:
-            if self._failed.pop(p.job_id, None) is not None:
-                actions.events.append((p.job_id, None))  # the failed job of this id is gone: its watches end
-            job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now)
+        if job is None:  # a new run of this id: an earlier one that ended stays kept, as one of its runs
+            job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now, self._next_run(p.job_id), self._wall())
             job.seal, job.creator = p.seal, caller
             actions.writes.append(PutJob(self._record(job)))
         member_id = p.member_id or self._new_member_id()
@@ -129,7 +123,9 @@ class Admission:
         """Enters a member in the job's node, rank and role bookkeeping (undone by _remove)."""
         node = job.nodes.get(p.node_key)
         if node is None:
-            node = job.nodes[p.node_key] = Node(p.node_key, p.address)
+            node = job.nodes[p.node_key] = Node(p.node_key, p.address, p.host)
+        elif p.address not in node.addresses:
+            node.addresses += (p.address,)
         if p.node_rank is not None and node.node_rank is None:
             node.node_rank = p.node_rank
             job.node_ranks[p.node_rank] = node.key
@@ -236,7 +232,8 @@ class Admission:
         if job.spec != p.spec:
             raise Conflict(f"job {job.job_id!r} has {job.spec.difference(p.spec)}")
         if job.state is JobState.CLOSED:
-            raise Closed(f"job {job.job_id!r} was closed: {job.reason}")
+            raise Closed(f"job {job.job_id!r} was closed: {job.reason}; its id takes a new run once its "
+                         f"{len(job.members)} member{'s' * (len(job.members) != 1)} {'are' if len(job.members) != 1 else 'is'} gone")
         if job.state is JobState.FAILED:
             raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
         if job.state is JobState.ENDED:
@@ -272,6 +269,11 @@ class Admission:
 
     @staticmethod
     def _check_node(job: Job, node: Node, p: JoinParams) -> None:
+        if p.host and node.host and p.host != node.host:  # the default key of two machines alike: hostname and machine id
+            raise Conflict(f"node key {p.node_key!r} of job {job.job_id!r} arrives from two machines: a worker at "
+                           f"{node.address} joined under it, and this one at {p.address} is on another machine (its "
+                           f"boot id differs); give each machine its own node_key, or make their hostnames or "
+                           f"/etc/machine-id differ (cloned images share one)")
         if node.agent or p.workers > 1 or p.slots:
             raise AlreadyExists(f"node {node.key!r} of job {job.job_id!r} is already joined"
                                 f"{' as a whole node by its launcher' if node.agent else ''}; a node membership "

@@ -143,6 +143,7 @@ def job_value(job: JobRecord) -> tuple[bytes, str, list[bytes]]:
     head = json.dumps({
         "job_id": job.job_id, "spec": job.spec.to_json(), "state": job.state, "generation": job.generation,
         "reason": job.reason, "seal": job.seal, "since": job.since, "retained_until": job.retained_until,
+        "run": job.run, "started": job.started, "ended": job.ended,
         **({"world_parts": [digest, len(parts)]} if parts else {}),
     }, separators=(",", ":")).encode()
     return head[:-1] + b',"world":' + world + b"}", digest, parts
@@ -187,7 +188,8 @@ def records_of(jobs: Sequence[bytes], members: Sequence[bytes], events: Sequence
         ms = tuple(sorted(by_job.get(j["job_id"], ()), key=lambda m: m.seq))
         out.append(JobRecord(j["job_id"], JobSpec.from_json(j["spec"]), j["state"], j["generation"], j["reason"],
                              world, ms, j["seal"], j.get("since", 0.0), j.get("retained_until", 0.0),
-                             tuple(sorted(history.get(j["job_id"], ())))))
+                             tuple(sorted(history.get(j["job_id"], ()))), j.get("run", 1), j.get("started", 0.0),
+                             j.get("ended", 0.0)))
     return sorted(out, key=lambda j: j.job_id)
 
 

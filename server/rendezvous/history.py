@@ -1,19 +1,57 @@
 """A job's history: the events the state machine records as it goes (the
 `Recording` mixin of `Rendezvous`, machine.py), kept in the job (the last
 --max-events-per-job), persisted with the transition's writes and published to
-the job's watches (watching.py) once durable. Pure: no asyncio, no grpc."""
+the job's watches (watching.py) once durable; and the runs that ended.
+
+Runs. A job id names one run at a time. When the last member of a run is gone
+the run has ended, however it went (finished, failed, closed): it is kept,
+described as it ended (who took part, its reason, its events), for
+--retain-ended-s and among the last --retain-ended-jobs ended runs, under the
+store key '<job id>#<run>' ('#' is not in job ids). The next Join of the id
+starts run n + 1, as c10d's rendezvous starts afresh for a reused run id; no
+member of the old run is in it, so none of their secrets or generations
+serve there. Pure: no asyncio, no grpc."""
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from commctx.common.planning import elide
 
 from ..errors import NotFound
 from .actions import Actions
-from .model import EventKind, Job, JobEvent
+from .model import EventKind, Job, JobEvent, JobState, JobView, NodeView
 from .shares import SERVER, Caller
-from .store import PutEvent, TrimEvents
+from .store import DeleteJob, JobRecord, PutEvent, PutJob, TrimEvents
+
+
+class Kept(NamedTuple):
+    """A run that ended, as it is kept."""
+
+    view: JobView  # as it ended: who took part (its last world's nodes), state and reason
+    until: float  # the machine's clock when it is forgotten
+    events: tuple[JobEvent, ...]
+
+
+def run_key(job_id: str, run: int) -> str:
+    """The store key of an ended run."""
+    return f"{job_id}#{run}"
+
+
+def ended_view(job: Job, ended_at: float) -> JobView:
+    """A run whose last member is gone, as it is kept: its last world's nodes and workers took part."""
+    seating = job.plan.seating if job.plan is not None else None
+    nodes = tuple(NodeView(n.node_key, n.address, len(n.members), rank, (), (n.address,))
+                  for rank, n in enumerate(seating.nodes)) if seating is not None else ()
+    state, reason = job.state, job.reason
+    if not state.over:  # its members withdrew or left without a verdict (nothing formed, or the job of nodes ran out)
+        state, reason = JobState.ENDED, reason or "its members left"
+    took_part = sum(n.workers for n in nodes)  # `joined` of a run that ended: the workers of its last world
+    return JobView(job.job_id, state, job.generation, job.spec, took_part, 0, nodes, reason, 0.0, len(nodes), seal=job.seal,
+                   refused=job.refused.count, last_refused=job.refused.last, run=job.run, started_at=job.started,
+                   ended_at=ended_at)
 
 
 class Recording:
@@ -46,30 +84,108 @@ class Recording:
         actions.writes.append(PutEvent(job.job_id, event))
         actions.events.append((job.job_id, event))
 
+    # -- runs that ended ------------------------------------------------------------------
+
+    def _next_run(self, job_id: str) -> int:
+        runs = self._runs.get(job_id)
+        return runs[-1] + 1 if runs else 1
+
+    def _end_run(self, job: Job, actions: Actions) -> None:
+        """The job's last member is gone: its run has ended. Kept unless nothing
+        ever formed and nothing went wrong (every worker withdrew its Join)."""
+        actions.writes.append(DeleteJob(job.job_id))
+        actions.events.append((job.job_id, None))  # the live run is gone: its watches end
+        if job.generation == 0 and not job.state.over:
+            return
+        ended = self._wall()
+        view = ended_view(job, ended)
+        self._keep(view, self._clock() + self.limits.retain_ended_s, tuple(job.events), actions)
+        key = run_key(job.job_id, job.run)
+        record = self._record(job, ended + self.limits.retain_ended_s)
+        actions.writes.append(PutJob(record._replace(job_id=key, state=view.state.value, reason=view.reason, ended=ended)))
+        actions.writes.extend(PutEvent(key, e) for e in job.events)
+
+    def _keep(self, view: JobView, until: float, events: Iterable[JobEvent], actions: Actions) -> None:
+        """Keeps an ended run until `until`, among the last retain_ended_jobs (the oldest go first, from the store too)."""
+        self._ended[(view.job_id, view.run)] = Kept(view, until, tuple(events))
+        runs = self._runs.setdefault(view.job_id, [])
+        runs.append(view.run)
+        runs.sort()
+        self._tombstones.push(until, (view.job_id, view.run))
+        while len(self._ended) > self.limits.retain_ended_jobs:
+            self._forget(next(iter(self._ended)), actions)
+
+    def _forget(self, run: tuple[str, int], actions: Actions) -> None:
+        del self._ended[run]
+        runs = self._runs[run[0]]
+        runs.remove(run[1])
+        if not runs:
+            del self._runs[run[0]]
+        actions.writes.append(DeleteJob(run_key(*run)))
+
+    def _forget_due(self, now: float, actions: Actions) -> None:
+        while (entry := self._tombstones.pop_due(now)) is not None:
+            kept = self._ended.get(entry[1])
+            if kept is not None and kept.until <= now:
+                self._forget(entry[1], actions)
+
+    def _restore_run(self, record: JobRecord, job: Job, wall: float, actions: Actions) -> None:
+        """Keeps an ended run a store held (its key '<job id>#<run>'), or forgets it if its time is up."""
+        if record.retained_until <= wall:
+            actions.writes.append(DeleteJob(record.job_id))
+            return
+        job.job_id, _, run = record.job_id.rpartition("#")
+        job.run = int(run) if run.isdigit() else 0
+        view = ended_view(job, record.ended)
+        self._keep(view, self._clock() + record.retained_until - wall, record.events, actions)
+
+    def _kept(self, job_id: str, run: int = 0) -> Kept | None:
+        """Run `run` of the id if it ended and is kept (0: the latest kept)."""
+        runs = self._runs.get(job_id)
+        if not runs:
+            return None
+        return self._ended.get((job_id, run or runs[-1]))
+
+    def other_runs(self, job_id: str, run: int) -> tuple[int, ...]:
+        """The kept runs of the id besides `run`, newest first."""
+        return tuple(r for r in reversed(self._runs.get(job_id, ())) if r != run)
+
+    def _run_of(self, job_id: str, run: int = 0) -> tuple[Job | None, Kept | None]:
+        """The live run of the id (run 0 or its number), else the kept one.
+
+        Raises:
+            NotFound: no such job, or no such run of it.
+        """
+        job = self._jobs.get(job_id)
+        if job is not None and run in (0, job.run):
+            return job, None
+        kept = self._kept(job_id, run)
+        if kept is None:
+            if run and (job is not None or job_id in self._runs):
+                raise NotFound(f"job {elide(job_id)} has no run {run} kept on this server (runs: "
+                               f"{', '.join(map(str, ((job.run,) if job else ()) + self.other_runs(job_id, 0))) or 'none'})")
+            raise NotFound(f"no job {elide(job_id)} on this server")
+        return None, kept
+
     def last_event(self, job_id: str) -> JobEvent | None:
         """The job's latest event (None: none, or an unknown job)."""
         job = self._jobs.get(job_id)
-        history = job.events if job is not None else self._failed.get(job_id, (None, None, ()))[2]
+        kept = self._kept(job_id) if job is None else None
+        history = job.events if job is not None else kept.events if kept is not None else ()
         return history[-1] if history else None
 
     def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None,
-               caller: Caller = SERVER) -> list[JobEvent]:
-        """The job's kept events of seq above `after` (at most `limit`), of a
-        job held or a failed one kept; for a sealed job, given its secret (None:
-        not checked).
+               caller: Caller = SERVER, run: int = 0) -> list[JobEvent]:
+        """The job's kept events of seq above `after` (at most `limit`), of its
+        live run or a kept one (`run`: 0 the live one, else the latest kept);
+        for a sealed job, given its secret (None: not checked).
 
         Raises:
-            NotFound: an unknown job.
+            NotFound: an unknown job or run.
             Sealed: the job is sealed and `secret` does not open it.
         """
-        job = self._jobs.get(job_id)
-        if job is not None:
-            seal, history = job.seal, job.events
-        elif job_id in self._failed:
-            view, _, history = self._failed[job_id]
-            seal = view.seal
-        else:
-            raise NotFound(f"no job {elide(job_id)} on this server")
+        job, kept = self._run_of(job_id, run)
+        seal, history = (job.seal, job.events) if job is not None else (kept.view.seal, kept.events)
         self._unseal(job_id, seal, secret, caller, "give its job_secret to read its events")
         out = []
         for event in reversed(history):  # the newest first: a follower asks for a few after its cursor

@@ -33,7 +33,7 @@ from .model import (
     worker_id,
 )
 from .shares import JOBS, SERVER, Caller
-from .store import DeleteJob, DeleteMember, PutJob, PutMember, member_record
+from .store import DeleteMember, PutMember, member_record
 
 log = logging.getLogger("commctx.server")
 
@@ -371,12 +371,7 @@ class Leases:
                     self._arm_last_call(job)
                 else:
                     self._maybe_form(job, actions)
-        while (entry := self._tombstones.pop_due(now)) is not None:
-            kept = self._failed.get(entry[1])
-            if kept is not None and kept[1] <= now:
-                del self._failed[entry[1]]
-                actions.writes.append(DeleteJob(entry[1]))
-                actions.events.append((entry[1], None))  # gone: its watches end
+        self._forget_due(now, actions)
         return actions, self.next_deadline() <= now
 
     def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
@@ -413,31 +408,14 @@ class Leases:
             actions.pushes.append((member.session, Gone(f"member {member_id} {_SAID.get(why, why)}")))
         if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
             actions.wakes.append((job.job_id, MemberGone(member_id)))
-        if not job.members:
+        if not job.members:  # the run has ended: kept a while (also across a restart), and the id is free
             del self._jobs[job.job_id]
             self.shares.give(JOBS, job.creator)
-            if job.state in (JobState.FAILED, JobState.CLOSED):  # kept a while (also across a restart) to say why
-                self._retain(job, self.limits.retain_ended_s, actions)
-                actions.writes.append(PutJob(self._record(job, self._wall() + self.limits.retain_ended_s)))
-            else:
-                actions.writes.append(DeleteJob(job.job_id))
-                actions.events.append((job.job_id, None))  # gone: its watches end
+            self._end_run(job, actions)
         elif in_world and job.generation > 0 and job.state in (JobState.FORMED, JobState.FORMING):
             self._lost(job, member_id, member, why, actions)
         elif job.state is JobState.FORMING:
             self._maybe_form(job, actions)  # a waiting worker's leaving may be all that held the world back
-
-    def _retain(self, job: Job, for_s: float, actions: Actions) -> None:
-        """Keeps a failed job without workers for `for_s` seconds (at most
-        retain_ended_jobs of them: the oldest go first, from the store too)."""
-        until = self._clock() + for_s
-        self._failed[job.job_id] = (self._view(job), until, job.events)
-        while len(self._failed) > self.limits.retain_ended_jobs:
-            oldest = next(iter(self._failed))
-            del self._failed[oldest]
-            actions.writes.append(DeleteJob(oldest))
-            actions.events.append((oldest, None))
-        self._tombstones.push(until, job.job_id)
 
     def _lost(self, job: Job, member_id: str, member: Member, why: str, actions: Actions, what: str = "") -> None:
         """A member of a formed (or re-forming) world is gone (`what` says so

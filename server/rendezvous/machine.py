@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from commctx.common.planning import elide
 
@@ -52,9 +52,9 @@ from .actions import Actions
 from .admission import Admission
 from .deadlines import Deadlines
 from .forming import Forming, plan_or_error
-from .history import Recording
+from .history import Kept, Recording
 from .leases import Leases
-from .model import Job, JobEvent, JobView, Limits, Member
+from .model import Job, Limits, Member
 from .params import secret_matches
 from .restore import Restoring
 from .shares import Guesses, Shares
@@ -112,15 +112,15 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
         self._jobs: dict[str, Job] = {}
         self._held: str | None = None  # why no world may form now (the store refuses writes), or None
         self._seq = 0
-        # Jobs that failed, kept a while after their last worker left so that
-        # DescribeJob can still say why.
-        self._failed: dict[str, tuple[JobView, float, Iterable[JobEvent]]] = {}  # view, until, history
+        # Runs that ended (history.py), oldest first, and the kept run numbers of each job id, ascending.
+        self._ended: dict[tuple[str, int], Kept] = {}
+        self._runs: dict[str, list[int]] = {}
         # What a transition that raised still implies (a refused join's event):
         # the executor takes it with the next actions it is given (take_outbox).
         self._outbox = Actions()
         self._leases = Deadlines()  # (job id, member id)
         self._last_calls = Deadlines()  # job id
-        self._tombstones = Deadlines()  # job id
+        self._tombstones = Deadlines()  # (job id, run) of ended runs
 
     def now(self) -> float:
         """The injected clock: what deadlines are measured on."""
@@ -129,6 +129,10 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
+            kept = self._kept(job_id)
+            if kept is not None:  # a member of a run that ended: nothing of it serves in the next
+                raise NotFound(f"job {elide(job_id)} has no run under way: run {kept.view.run} {kept.view.state.value} "
+                               f"({kept.view.reason}); a Join starts run {kept.view.run + 1}")
             raise NotFound(f"no job {elide(job_id)} on this server")
         return job
 
@@ -148,4 +152,5 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
     def _record(self, job: Job, retained_until: float = 0.0) -> JobRecord:
         since = self._wall() - (self._clock() - job.forming_since)
         return JobRecord(job.job_id, job.spec, job.state.value, job.generation, job.reason,
-                         job.plan.seating if job.plan is not None else None, (), job.seal, since, retained_until)
+                         job.plan.seating if job.plan is not None else None, (), job.seal, since, retained_until, (),
+                         job.run, job.started)

@@ -282,11 +282,13 @@ def member_of(worker: str) -> str:
 
 
 class Node:
-    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers", "roles", "agent")
+    __slots__ = ("key", "address", "node_rank", "local_ranks", "workers", "roles", "agent", "host", "addresses")
 
-    def __init__(self, key: str, address: str) -> None:
+    def __init__(self, key: str, address: str, host: str = "") -> None:
         self.key = key
         self.address = address
+        self.addresses = (address,)  # every address its members gave, the first first
+        self.host = host  # the machine that gave its key (JoinParams.host; "": a key pinned on purpose, not checked)
         self.node_rank: int | None = None
         self.local_ranks: dict[int, str] = {}  # explicit local rank -> member id
         self.workers = 0
@@ -299,11 +301,13 @@ class Job:
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
         "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
         "last_call_armed", "version", "planning", "seal", "node_order", "workers", "events", "refused", "creator",
-        "failed", "abandoned", "formed_abandoned", "hosts",
+        "failed", "abandoned", "formed_abandoned", "hosts", "run", "started",
     )
 
-    def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float) -> None:
+    def __init__(self, job_id: str, spec: JobSpec, loopback: bool, now: float, run: int = 1, started: float = 0.0) -> None:
         self.job_id = job_id
+        self.run = run  # which run of this job id: a finished, failed or closed run's id takes a new one once its members are gone
+        self.started = started  # wall-clock time of its first Join
         self.spec = spec
         self.state = JobState.FORMING
         self.generation = 0
@@ -443,6 +447,7 @@ class NodeView:
     workers: int
     node_rank: int | None
     roles: tuple[tuple[str, int], ...] = ()  # workers per role, by role name
+    addresses: tuple[str, ...] = ()  # every address its workers gave (`address` is the first)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -477,6 +482,10 @@ class JobView:
     seal: str = ""  # digest of the job secret ("": an open job); never sent
     refused: int = 0  # joins refused since the job began (its history holds the reasons)
     last_refused: str = ""  # the last refusal's reason
+    run: int = 1  # which run of its job id
+    started_at: float = 0.0  # wall-clock times it began (first Join) and ended (last member gone; 0: not yet)
+    ended_at: float = 0.0
+    other_runs: tuple[int, ...] = ()  # the other runs of its id that are kept, newest first
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

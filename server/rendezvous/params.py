@@ -17,6 +17,7 @@ from ..errors import BadRequest
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
 CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
+HOST_ID = re.compile(r"[0-9a-f]{8,64}")
 MEMBER_SECRET = re.compile(r"[0-9a-f]{32,128}")
 MAX_NODE_WORKERS = 1024  # workers of one node membership: its Join answers with each one's assignment
 
@@ -100,6 +101,7 @@ class JoinParams(NamedTuple):
     seal: str = ""  # digest of the job secret ("": an open job)
     workers: int = 1  # >1: a node membership (a launcher's agent) holding local ranks 0..workers-1 of its node
     slots: tuple[Slot, ...] = ()  # a host membership's workers (then `workers` counts them; role, local_rank unset)
+    host: str = ""  # which machine (a digest of its boot id) sent a default node key; "": a key pinned on purpose
 
     def roles(self) -> list[tuple[str, int]]:
         """The workers it brings, as (role, how many)."""
@@ -108,7 +110,7 @@ class JoinParams(NamedTuple):
     @classmethod
     def build(cls, *, job_id: str, spec: JobSpec, node_key: str, address: str, port: int, local_rank: int | None = None,
               node_rank: int | None = None, role: str = "", member_id: str = "", member_secret: str = "",
-              job_secret: str = "", workers: int = 1, slots: tuple[Slot, ...] = ()) -> JoinParams:
+              job_secret: str = "", workers: int = 1, slots: tuple[Slot, ...] = (), host_id: str = "") -> JoinParams:
         """Validates a join request.
 
         Raises:
@@ -146,13 +148,15 @@ class JoinParams(NamedTuple):
                                   f"a node membership holds local ranks 0..{workers - 1}")
         if member_id and not CLIENT_MEMBER_ID.fullmatch(member_id):
             raise BadRequest(f"member_id {elide(member_id)} is malformed: give 16-64 lowercase hex digits, or none")
+        if host_id and not HOST_ID.fullmatch(host_id):
+            raise BadRequest(f"host_id {elide(host_id)} is malformed: give 8-64 lowercase hex digits, or none")
         if slots:
             _check_slots(slots, spec, role, local_rank, workers)
             workers = len(slots)
         secret = secret_digest(member_secret) if member_secret else ""
         seal = job_secret_digest(job_secret) if job_secret else ""
         return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal, workers,
-                   tuple(slots))
+                   tuple(slots), host_id)
 
 
 def _check_slots(slots: tuple[Slot, ...], spec: JobSpec, role: str, local_rank: int | None, workers: int) -> None:

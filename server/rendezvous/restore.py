@@ -38,7 +38,7 @@ class Restoring:
         actions = Actions()
         for record in records:
             spec = record.spec
-            job = Job(record.job_id, spec, False, now)
+            job = Job(record.job_id, spec, False, now, record.run, record.started)
             job.state, job.generation, job.reason = JobState(record.state), record.generation, record.reason
             job.seal, job.creator = record.seal, SERVER  # who created it is not stored: it counts against nobody's share
             job.events = collections.deque(record.events, maxlen=self.limits.max_events_per_job)
@@ -59,8 +59,8 @@ class Restoring:
             if job.plan is not None:
                 job.seat_hosts(mid for mid, m in job.members.items() if m.slots)
             if not job.members:
-                if job.state in (JobState.FAILED, JobState.CLOSED) and record.retained_until > wall:
-                    self._retain(job, record.retained_until - wall, actions)
+                if "#" in record.job_id:  # a run that ended (history.py)
+                    self._restore_run(record, job, wall, actions)
                 else:
                     actions.writes.append(DeleteJob(job.job_id))
                 continue

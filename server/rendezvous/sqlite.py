@@ -67,7 +67,7 @@ from .store import (
     spec_json,
 )
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 FILE_NAME = "commctx.sqlite3"
 LOCK_NAME = "commctx.lock"
 
@@ -77,7 +77,8 @@ _SCHEMA = """
     CREATE TABLE jobs (
         job_id TEXT PRIMARY KEY, state TEXT NOT NULL, generation INTEGER NOT NULL,
         reason TEXT NOT NULL, spec TEXT NOT NULL, world TEXT, secret TEXT NOT NULL DEFAULT '',
-        since REAL NOT NULL DEFAULT 0, retained_until REAL NOT NULL DEFAULT 0);
+        since REAL NOT NULL DEFAULT 0, retained_until REAL NOT NULL DEFAULT 0,
+        run INTEGER NOT NULL DEFAULT 1, started REAL NOT NULL DEFAULT 0, ended REAL NOT NULL DEFAULT 0);
     CREATE TABLE members (
         job_id TEXT NOT NULL, member_id TEXT NOT NULL, seq INTEGER NOT NULL,
         node_key TEXT NOT NULL, address TEXT NOT NULL, port INTEGER NOT NULL,
@@ -93,8 +94,8 @@ _EVENTS_TABLE = """
 """
 _SCHEMA += _EVENTS_TABLE
 
-_PUT_JOB = ("INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world, secret, since, retained_until) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_PUT_JOB = ("INSERT OR REPLACE INTO jobs (job_id, state, generation, reason, spec, world, secret, since, retained_until, "
+            "run, started, ended) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _PUT_MEMBER = (
     "INSERT OR REPLACE INTO members (job_id, member_id, seq, node_key, address, port, local_rank, node_rank, role, secret, workers, "
     "slots) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -149,14 +150,16 @@ class SqliteStore(Store):
             raise StoreError(f"{self.path} has schema version {version}; this server reads up to {SCHEMA_VERSION}")
         db.execute("BEGIN IMMEDIATE")
         try:
-            if version in (2, 3, 4, 5):
+            if version in (2, 3, 4, 5, 6):
                 if version == 2:
                     _migrate_v2(db)
                 if version <= 3:
                     _migrate_v3(db)
                 if version <= 4:
                     _migrate_v4(db)
-                _migrate_v5(db)
+                if version <= 5:
+                    _migrate_v5(db)
+                _migrate_v6(db)
             elif "jobs" in tables:
                 _migrate_v1(db)
             else:
@@ -212,12 +215,13 @@ class SqliteStore(Store):
                     "SELECT job_id, seq, time, kind, generation, message, fields FROM events ORDER BY job_id, seq"):
                 events.setdefault(job_id, []).append(event_of(*fields))
             jobs = []
-            for job_id, state, generation, reason, spec, world, seal, since, until in db.execute(
-                    "SELECT job_id, state, generation, reason, spec, world, secret, since, retained_until FROM jobs ORDER BY job_id"):
+            for job_id, state, generation, reason, spec, world, seal, since, until, run, started, ended in db.execute(
+                    "SELECT job_id, state, generation, reason, spec, world, secret, since, retained_until, run, started, ended "
+                    "FROM jobs ORDER BY job_id"):
                 jobs.append(JobRecord(
                     job_id, spec_from_json(spec), state, generation, reason,
                     seating_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())), seal,
-                    since, until, tuple(events.get(job_id, ())),
+                    since, until, tuple(events.get(job_id, ())), run, started, ended,
                 ))
             return jobs
 
@@ -312,7 +316,8 @@ def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
 
 def _job_row(job: JobRecord) -> tuple:
     world = json.dumps(seating_record(job.world), separators=(",", ":")) if job.world is not None else None
-    return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world, job.seal, job.since, job.retained_until)
+    return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world, job.seal, job.since, job.retained_until,
+            job.run, job.started, job.ended)
 
 
 def _slots_json(slots: tuple) -> str:
@@ -347,6 +352,14 @@ def _migrate_v5(db: sqlite3.Connection) -> None:
     """Schema 5 -> 6, inside the caller's transaction: members gain a host
     membership's workers (those of schema 5 are none)."""
     db.execute("ALTER TABLE members ADD COLUMN slots TEXT NOT NULL DEFAULT ''")
+
+
+def _migrate_v6(db: sqlite3.Connection) -> None:
+    """Schema 6 -> 7, inside the caller's transaction: jobs gain their run
+    number and when the run began and ended (those of schema 6 are run 1,
+    times unknown)."""
+    for column in ("run INTEGER NOT NULL DEFAULT 1", "started REAL NOT NULL DEFAULT 0", "ended REAL NOT NULL DEFAULT 0"):
+        db.execute(f"ALTER TABLE jobs ADD COLUMN {column}")
 
 
 def _migrate_v1(db: sqlite3.Connection) -> None:

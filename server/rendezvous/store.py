@@ -64,8 +64,11 @@ class JobRecord(NamedTuple):
     members: tuple[MemberRecord, ...] = ()  # filled by load(), in join order
     seal: str = ""  # SHA-256 digest (hex) of the job secret; "": an open job
     since: float = 0.0  # wall-clock time its current generation began forming (AGE); 0: unknown (schema 3)
-    retained_until: float = 0.0  # a failed job whose workers all left: wall-clock time DescribeJob forgets it
+    retained_until: float = 0.0  # an ended run (job_id '<id>#<run>', history.py): wall-clock time it is forgotten
     events: tuple[JobEvent, ...] = ()  # filled by load(): its history, by seq
+    run: int = 1  # which run of its job id (schema 7)
+    started: float = 0.0  # wall-clock times the run began (its first Join) and ended (0: it has not)
+    ended: float = 0.0
 
 
 class PutJob(NamedTuple):

@@ -27,8 +27,23 @@ PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
 NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE = 1000, 10_000
 
 
+def page_key(view: JobView) -> str:
+    """A ListJobs page token naming the run `view` ends a page with: '<job id>#<run>'."""
+    return f"{view.job_id}#{view.run}"
+
+
+def page_entry(token: str) -> tuple[str, int]:
+    """A page_key as job_page orders runs ('<id>' alone: after the id's runs)."""
+    job_id, _, run = token.rpartition("#")
+    return (job_id, -int(run)) if job_id and run.isdigit() else (token, 1)
+
+
 class Views:
     """Describing jobs, their nodes and workers, and the server's counts."""
+
+    def live(self, job_id: str) -> bool:
+        """Whether a run of the id is under way (not only kept after it ended)."""
+        return job_id in self._jobs
 
     def world_of(self, job_id: str) -> NewWorld | None:
         """The job's current world, if it has formed."""
@@ -38,24 +53,22 @@ class Views:
         return job.world()
 
     def describe(self, job_id: str, secret: str | None = None, first_node: int = 0, max_nodes: int | None = None,
-                 caller: Caller = SERVER) -> JobView:
+                 caller: Caller = SERVER, run: int = 0) -> JobView:
         """The job as DescribeJob reports it, with nodes [first_node, first_node
         + max_nodes) of its order; for a sealed job, given its secret (None: not
-        checked, for operators and the server itself). Costs what _node_page does.
+        checked, for operators and the server itself). `run`: 0 the live run of
+        the id, else the latest kept; or that run. Costs what _node_page does.
 
         Raises:
-            NotFound: an unknown job.
+            NotFound: an unknown job or run.
             Sealed: the job is sealed and `secret` does not open it.
         """
-        job = self._jobs.get(job_id)
-        if job is None and job_id in self._failed:
-            view = self._failed[job_id][0]
-        else:
-            view = self._view(self._job(job_id), first_node, max_nodes)
+        job, kept = self._run_of(job_id, run)
+        view = self._view(job, first_node, max_nodes) if job is not None else kept.view
         self._unseal(job_id, view.seal, secret, caller, "give its job_secret to describe it")
         if job is None and (first_node or max_nodes is not None):
             view = dataclasses.replace(view, nodes=view.nodes[first_node:None if max_nodes is None else first_node + max_nodes])
-        return view
+        return dataclasses.replace(view, other_runs=self.other_runs(job_id, view.run))
 
     @staticmethod
     def _node_page(job: Job, first: int, count: int | None) -> list[tuple[str, int | None]]:
@@ -86,7 +99,8 @@ class Views:
         nodes = []
         for k, rank in page:
             node = job.nodes[k]
-            nodes.append(NodeView(k, node.address, node.workers, rank, tuple(sorted((r, c) for r, c in node.roles.items() if c))))
+            nodes.append(NodeView(k, node.address, node.workers, rank, tuple(sorted((r, c) for r, c in node.roles.items() if c)),
+                                  node.addresses))
         if job.state.over:
             reason = job.reason
         elif formed:
@@ -115,6 +129,8 @@ class Views:
             seal=job.seal,
             refused=job.refused.count,
             last_refused=job.refused.last,
+            run=job.run,
+            started_at=job.started,
         )
 
     def workers(self, job_id: str, node_keys: Iterable[str]) -> dict[str, list[WorkerView]]:
@@ -126,7 +142,7 @@ class Views:
         """
         job = self._jobs.get(job_id)
         if job is None:
-            if job_id in self._failed:
+            if job_id in self._runs:
                 return {k: [] for k in node_keys}
             raise NotFound(f"no job {elide(job_id)} on this server")
         out: dict[str, list[WorkerView]] = {k: [] for k in node_keys}
@@ -153,16 +169,22 @@ class Views:
         job = self._jobs.get(job_id)
         return job.plan if job is not None else None
 
-    def job_ids(self) -> list[str]:
-        """Jobs held, and failed jobs still described, sorted."""
-        return sorted({*self._jobs, *self._failed})
+    def job_ids(self, ended: bool = False) -> list[str]:
+        """Jobs with a run under way (`ended`: or a kept run that ended), sorted."""
+        return sorted({*self._jobs, *self._runs}) if ended else sorted(self._jobs)
 
-    def job_page(self, after: str, size: int) -> tuple[list[JobView], bool]:
-        """Up to `size` jobs (their views without nodes) after the id `after`
-        ("": from the first), and whether more follow."""
-        ids = self.job_ids()
-        start = bisect.bisect_right(ids, after) if after else 0
-        return [self.describe(j, max_nodes=0) for j in ids[start:start + size]], start + size < len(ids)
+    def job_page(self, after: str, size: int, ended: bool = False) -> tuple[list[JobView], bool]:
+        """Up to `size` jobs (their views without nodes) after `after` ("": from
+        the first), and whether more follow: each id's live run;
+        with `ended`, every kept run that ended too, after the live one, newest
+        first (`after`: the last entry's page_key)."""
+        if not ended:
+            ids = self.job_ids()
+            start = bisect.bisect_right(ids, after) if after else 0
+            return [self.describe(j, max_nodes=0) for j in ids[start:start + size]], start + size < len(ids)
+        entries = sorted([*((j, -job.run) for j, job in self._jobs.items()), *((j, -r) for j, r in self._ended)])
+        start = bisect.bisect_right(entries, page_entry(after)) if after else 0
+        return [self.describe(j, max_nodes=0, run=-r) for j, r in entries[start:start + size]], start + size < len(entries)
 
     def stats(self) -> Stats:
         """Counts for metrics (linear in the number of jobs, not members)."""

@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..rendezvous.model import Gone, JobEvent, JobState, JobView, NewWorld, Reforming, Seat, SessionEvent, worker_id
 from ..rendezvous.params import JoinParams, Slot
-from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE
+from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.waiting import Placed
 from . import wire
 
@@ -143,6 +143,7 @@ def join_params(r: pb.JoinRequest, spec: JobSpec) -> JoinParams:
         node_rank=r.node_rank if r.HasField("node_rank") else None,
         role=r.role, member_id=r.member_id, job_secret=r.job_secret, workers=r.workers or 1,
         slots=tuple(Slot(w.index, w.role, w.local_rank if w.HasField("local_rank") else None) for w in r.host_workers),
+        host_id=r.host_id,
     )
 
 
@@ -325,8 +326,8 @@ def event_message(e: JobEvent) -> pb.JobEvent:
 
 
 def summary_message(v: JobView) -> pb.JobDescription:
-    """A sealed job as ListJobs shows it to those without its secret: id and state."""
-    return pb.JobDescription(job_id=v.job_id, state=_STATE[v.state])
+    """A sealed job as ListJobs shows it to those without its secret: id, run and state."""
+    return pb.JobDescription(job_id=v.job_id, state=_STATE[v.state], run=v.run)
 
 
 def description_message(v: JobView) -> pb.JobDescription:
@@ -341,7 +342,7 @@ def description_message(v: JobView) -> pb.JobDescription:
             pb.NodeDescription(
                 node_key=n.node_key, address=n.address, workers=n.workers,
                 node_rank=n.node_rank if n.node_rank is not None else 0,
-                roles=[pb.RoleCount(role=r, count=c) for r, c in n.roles],
+                roles=[pb.RoleCount(role=r, count=c) for r, c in n.roles], addresses=n.addresses,
             )
             for n in v.nodes
         ],
@@ -353,6 +354,10 @@ def description_message(v: JobView) -> pb.JobDescription:
         num_nodes=v.num_nodes,
         refused=v.refused,
         last_refused=v.last_refused,
+        run=v.run,
+        started_at=v.started_at,
+        ended_at=v.ended_at,
+        other_runs=v.other_runs,
     )
 
 
@@ -403,11 +408,12 @@ def description_page(v: JobView, first: int, max_bytes: int = MAX_REPLY_BYTES) -
     return message
 
 
-def jobs_page(views: list[JobView], more: bool, admin: bool) -> pb.ListJobsResponse:
-    """A page of ListJobs: sealed jobs as summaries unless an admin asks."""
+def jobs_page(views: list[JobView], more: bool, admin: bool, runs: bool = False) -> pb.ListJobsResponse:
+    """A page of ListJobs: sealed jobs as summaries unless an admin asks; `runs`:
+    a page of runs (include_ended), whose token names the last one's run."""
     return pb.ListJobsResponse(
         jobs=[summary_message(v) if v.seal and not admin else description_message(v) for v in views],
-        next_page_token=views[-1].job_id if more else "")
+        next_page_token=(page_key(views[-1]) if runs else views[-1].job_id) if more else "")
 
 
 def events_page(events: list[JobEvent], size: int) -> pb.ListEventsResponse:

@@ -246,7 +246,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         def describe() -> pb.JobDescription:
             size = codec.page_size(request.node_page_size, "node_page_size", NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE)
             first = codec.position(request.node_page_token, "node_page_token", "DescribeJob", 9)
-            view = self._machine.describe(check_job_id(request.job_id), secret, first, size, caller)
+            view = self._machine.describe(check_job_id(request.job_id), secret, first, size, caller, request.run)
             return codec.description_page(view, first)
 
         return await self._call(context, "DescribeJob", describe)
@@ -255,8 +255,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         admin = is_admin(context, self._callers)
 
         def jobs() -> pb.ListJobsResponse:
-            views, more = self._machine.job_page(request.page_token, codec.page_size(request.page_size))
-            return codec.jobs_page(views, more, admin)
+            views, more = self._machine.job_page(request.page_token, codec.page_size(request.page_size), request.include_ended)
+            return codec.jobs_page(views, more, admin, request.include_ended)
 
         return await self._call(context, "ListJobs", jobs)
 
@@ -266,7 +266,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         def page() -> pb.ListEventsResponse:
             size = codec.page_size(request.page_size)
             after = codec.position(request.page_token, "page_token", "ListEvents", 19)
-            return codec.events_page(self._machine.events(check_job_id(request.job_id), after, size + 1, secret, caller), size)
+            return codec.events_page(self._machine.events(check_job_id(request.job_id), after, size + 1, secret, caller,
+                                                          request.run), size)
 
         return await self._call(context, "ListEvents", page)
 
@@ -280,6 +281,11 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._machine.shares.open_stream(caller, "open streams")
         except Exception as exc:
             self._fail(context, "WatchEvents", exc)
+            return
+        if not self._machine.live(job_id):  # only runs that ended: their history, and the watch ends
+            self._machine.shares.close_stream(caller)
+            for event in snapshot:
+                await context.write(codec.event_message(event))
             return
         watch = watchers.open(job_id, snapshot)  # no await since the snapshot: nothing falls in between
         self._machine.shares.live.add(caller, watch.end)  # a revoked token's watch ends (UnknownToken)
