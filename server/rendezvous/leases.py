@@ -426,7 +426,9 @@ class Leases:
         n, unit = (job.units, "node") if job.spec.nodes else (job.workers, "worker")
         remain = f"{n} {unit}{'s' * (n != 1)} remain{'s' * (n == 1)}"
         if job.units < job.spec.min_world and why == "left":  # members leaving: the job is finishing
-            reason = f"{what} and {remain} (the job needs {job.spec.min_world} to go on)"
+            fixed = job.spec.min_size is None and not job.spec.nodes  # a fixed world ends when its first worker leaves
+            reason = (f"finished: {what}, the first of its {job.spec.world_size} workers to go" if fixed else
+                      f"finished: {what}; {remain}, below the minimum of {job.spec.min_world}")
             self._stop(job, JobState.ENDED, reason, "finished", actions)
         elif job.units < job.spec.min_world and not job.spec.nodes:
             reason = f"{what}; {remain}, fewer than the minimum of {job.spec.min_world}"
