@@ -136,6 +136,43 @@ def test_roundtrip(make_store):
     assert (j.since, loaded[1].since, loaded[1].retained_until) == (0.0, 1_800_000_000.25, 1_800_000_060.5)
 
 
+def test_a_run_that_ended_is_kept_under_its_own_key_with_its_events_and_a_new_run_beside_it(make_store):
+    """What the machine writes when a run ends (history.py) and the next begins, in every store."""
+    from commctx.server.rendezvous.machine import Rendezvous
+
+    from .test_machine import FakeClock
+
+    clock = FakeClock()
+    clock.now = 1_800_000_000.0
+    rdzv = Rendezvous(lease_ttl_s=10, clock=clock, wall=clock)
+    s = make_store()
+    epoch = s.take_over()
+    spec = JobSpec.build(2)
+
+    def params(node: str) -> JoinParams:
+        return JoinParams.build(job_id="j", spec=spec, node_key=node, address="10.0.0.1", port=5000)
+
+    members = []
+    for node in ("a", "b"):
+        joined, actions, _ = rdzv.join(params(node))
+        s.commit(actions.writes, epoch)
+        members.append(joined.member_id)
+    clock.now += 7
+    for m in members:
+        s.commit(rdzv.leave("j", m).writes, epoch)
+    joined, actions, _ = rdzv.join(params("c"))  # run 2 of the id
+    s.commit(actions.writes, epoch)
+    s.close()
+    loaded = {j.job_id: j for j in make_store().load()}
+    assert sorted(loaded) == ["j", "j#1"]
+    old, new = loaded["j#1"], loaded["j"]
+    assert (old.run, old.state, old.generation, old.started, old.ended) == (1, "ended", 1, 1_800_000_000.0, 1_800_000_007.0)
+    assert old.retained_until == 1_800_000_007.0 + rdzv.limits.retain_ended_s and old.members == ()
+    assert [n.node_key for n in old.world.nodes] == ["a", "b"]  # who took part
+    assert [e.kind for e in old.events][:2] == ["joined", "formed"] and old.events[-1].kind == "left"
+    assert (new.run, new.state, [m.node_key for m in new.members], [e.kind for e in new.events]) == (2, "forming", ["c"], ["joined"])
+
+
 def test_a_host_membership_round_trips_with_its_workers(make_store):
     s = make_store()
     host = MemberRecord("mh", 5, "h1", "10.0.0.5", 29500, None, None, "", secret_digest("ab" * 16), 3,
