@@ -200,3 +200,56 @@ def test_a_torchrun_style_run_is_kept_listed_and_its_id_reused_through_the_serve
             assert stale.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         server.stop()
+
+
+def test_the_json_api_lists_runs_that_ended_and_describes_each():
+    """GET /api/v1/jobs?ended=1 lists the live run and the kept ones; ?run=N
+    describes one, with who took part, its events, and a stream that ends."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import grpc
+
+    from commctx.v1 import rendezvous_pb2 as pb
+    from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+    from .cluster import Server
+    from .test_operate import join_request, wait_until
+
+    def get(path: str):
+        try:
+            with urllib.request.urlopen(server.http_url + path.lstrip("/"), timeout=10) as r:
+                body = r.read().decode()
+                return r.status, json.loads(body) if r.headers["Content-Type"].startswith("application/json") else body
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    server = Server("127.0.0.1", metrics=True)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.RendezvousStub(ch)
+            for _ in range(2):  # two runs of one id, each a world of one that finishes
+                joined = stub.Join(join_request("m11", 1))
+                stub.Leave(pb.LeaveRequest(job_id="m11", member_id=joined.member_id, member_secret=joined.member_secret))
+            waiting = stub.Join.future(join_request("m11", 2))  # run 3, forming (held: a dropped future cancels its call)
+            wait_until(lambda: stub.DescribeJob(pb.DescribeJobRequest(job_id="m11")).run == 3, 10, "run 3 begins")
+            _, live = get("/api/v1/jobs")
+            assert [(j["job_id"], j["run"], j["state"]) for j in live["jobs"]] == [("m11", 3, "forming")]
+            _, every = get("/api/v1/jobs?ended=1")
+            assert [(j["job_id"], j["run"], j["state"], j["ended_at"] is not None) for j in every["jobs"]] == [
+                ("m11", 3, "forming", False), ("m11", 2, "ended", True), ("m11", 1, "ended", True)]
+            _, page = get("/api/v1/jobs?ended=1&page_size=1")
+            _, rest = get(f"/api/v1/jobs?ended=1&page_size=5&page_token={page['next_page_token'].replace('#', '%23')}")
+            assert [j["run"] for j in rest["jobs"]] == [2, 1]
+            status, one = get("/api/v1/jobs/m11?run=1")
+            assert status == 200 and (one["run"], one["state"], one["other_runs"], one["joined"]) == (1, "ended", [3, 2], 1)
+            assert [(n["node_key"], n["took_part"], n["workers"]) for n in one["nodes"]] == [("n", 1, [])]
+            assert [e["kind"] for e in one["events"]][:2] == ["joined", "formed"] and "finished" in one["reason"]
+            status, stream = get("/api/v1/jobs/m11/events/stream?run=1")
+            assert status == 200 and stream.rstrip().endswith("event: end\ndata: {}") and stream.count("event: job-event") >= 3
+            status, missing = get("/api/v1/jobs/m11?run=9")
+            assert status == 404 and "has no run 9 kept" in missing["error"]
+            waiting.cancel()
+    finally:
+        server.stop()

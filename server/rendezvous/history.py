@@ -147,8 +147,10 @@ class Recording:
         return self._ended.get((job_id, run or runs[-1]))
 
     def other_runs(self, job_id: str, run: int) -> tuple[int, ...]:
-        """The kept runs of the id besides `run`, newest first."""
-        return tuple(r for r in reversed(self._runs.get(job_id, ())) if r != run)
+        """The runs of the id besides `run`, the live one and those kept, newest first."""
+        live = self._jobs.get(job_id)
+        return ((live.run,) if live is not None and live.run != run else ()) + tuple(
+            r for r in reversed(self._runs.get(job_id, ())) if r != run)
 
     def _run_of(self, job_id: str, run: int = 0) -> tuple[Job | None, Kept | None]:
         """The live run of the id (run 0 or its number), else the kept one.
@@ -163,7 +165,7 @@ class Recording:
         if kept is None:
             if run and (job is not None or job_id in self._runs):
                 raise NotFound(f"job {elide(job_id)} has no run {run} kept on this server (runs: "
-                               f"{', '.join(map(str, ((job.run,) if job else ()) + self.other_runs(job_id, 0))) or 'none'})")
+                               f"{', '.join(map(str, self.other_runs(job_id, 0))) or 'none'})")
             raise NotFound(f"no job {elide(job_id)} on this server")
         return None, kept
 

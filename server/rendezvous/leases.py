@@ -409,6 +409,9 @@ class Leases:
         if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
             actions.wakes.append((job.job_id, MemberGone(member_id)))
         if not job.members:  # the run has ended: kept a while (also across a restart), and the id is free
+            if not job.state.over and job.generation > 0:  # the last of a world, with no verdict yet
+                job.state = JobState.ENDED if why == "left" else JobState.FAILED
+                job.reason = f"{'finished: ' if why == 'left' else ''}member {member_id} ({where}) {said}, the last to go"
             del self._jobs[job.job_id]
             self.shares.give(JOBS, job.creator)
             self._end_run(job, actions)

@@ -131,8 +131,9 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
         if job is None:
             kept = self._kept(job_id)
             if kept is not None:  # a member of a run that ended: nothing of it serves in the next
-                raise NotFound(f"job {elide(job_id)} has no run under way: run {kept.view.run} {kept.view.state.value} "
-                               f"({kept.view.reason}); a Join starts run {kept.view.run + 1}")
+                why = "" if kept.view.seal else f" ({kept.view.reason})"  # a sealed job's reason is for its workers
+                raise NotFound(f"job {elide(job_id)} has no run under way: run {kept.view.run} {kept.view.state.value}"
+                               f"{why}; a Join starts run {kept.view.run + 1}")
             raise NotFound(f"no job {elide(job_id)} on this server")
         return job
 
