@@ -17,6 +17,7 @@ from commctx.common.modes import CommMode, ParallelMode
 from .errors import (
     CommContextError,
     CommCtxError,
+    ConnectionMismatch,
     GroupNotFound,
     InvalidArgument,
     InvalidRequest,
@@ -44,6 +45,7 @@ __all__ = [
     "CommContextError",
     "CommCtxError",
     "CommMode",
+    "ConnectionMismatch",
     "GroupNotFound",
     "InvalidArgument",
     "InvalidRequest",
@@ -74,6 +76,25 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'commctx' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        raise worker_dependency_missing(exc, f"commctx.{name}") from None
     globals()[name] = value
     return value
+
+
+# What the `worker` extra installs (pyproject.toml), which the server's install lacks.
+WORKER_EXTRA = ("torch", "numpy", "psutil")
+
+
+def worker_dependency_missing(exc: ModuleNotFoundError, what: str) -> ModuleNotFoundError:
+    """`exc` itself, or, when the module it misses is one the `worker` extra
+    installs, the same error saying so and what to install."""
+    missing = (exc.name or "").partition(".")[0]
+    if missing not in WORKER_EXTRA:
+        return exc
+    return ModuleNotFoundError(
+        f"{what} needs {missing}, which is not installed: install the worker extra, pip install 'commctx[worker]' "
+        f"(it keeps a torch already installed; for a CPU-only one, install torch from PyTorch's CPU index first)",
+        name=exc.name)

@@ -24,9 +24,14 @@ import inspect
 import socket
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
+try:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+except ModuleNotFoundError as _exc:
+    from . import worker_dependency_missing
+
+    raise worker_dependency_missing(_exc, "commctx's workers (CommContext, commctx.elastic, torchrun's backend)") from None
 
 from .errors import UsageError
 

@@ -119,6 +119,22 @@ class ServerUnavailable(RendezvousError):
     """UNAVAILABLE: the server cannot be reached or is shutting down."""
 
 
+class ConnectionMismatch(ServerUnavailable):
+    """The address answers, but not as this client's settings expect, and
+    trying again will not change that: a TLS handshake failed (a plaintext
+    client and a TLS server or the reverse, a server certificate that tls_ca=
+    does not trust or that does not name the host dialled, a client
+    certificate missing or refused under mutual TLS), the address is an HTTP/1
+    server (commctx-server's HTTP port, say) rather than its gRPC port, or a
+    gRPC server without commctx's Rendezvous service (its health port, say).
+    A join raises it at its first try, not at its timeout; the one-line message
+    names the cause and the setting to change (tls_ca=, tls_cert=, server_addr=
+    or their COMMCTX_* variables). `code` is the call's status ("UNAVAILABLE",
+    or "UNIMPLEMENTED" for another gRPC service) and `reason`
+    "CONNECTION_MISMATCH", the client's own (no server sent it). A
+    ServerUnavailable, as these errors were before they were told apart."""
+
+
 class ServerFull(RendezvousError):
     """RESOURCE_EXHAUSTED: the server holds as many jobs or members as its limits allow (the message names the limit)."""
 

@@ -490,6 +490,8 @@ class Hub:
         if self._lock_fd < 0:
             return
         with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept() (a close alone does not, on Linux)
+        with contextlib.suppress(OSError):
             self._listener.close()
         with contextlib.suppress(OSError):
             os.unlink(self._path)
@@ -573,7 +575,13 @@ class LocalSession(News):
         # The hub's Join ends by `timeout_s` with the server's answer (who is missing), a little later if the server
         # is silent (Session._join's slack): this worker waits for that answer, and says so itself only if none comes.
         slack_s = min(5.0, 0.5 + timeout_s * 0.05) + 1.0
-        if self.next_assignment_or_refusal(max(0.0, deadline + slack_s - time.monotonic())) is None:
+        try:
+            placed = self.next_assignment_or_refusal(max(0.0, deadline + slack_s - time.monotonic()))
+        except KeyboardInterrupt:  # Ctrl-C in the wait: the hub withdraws this worker; no threading frames shown
+            self.close(leave=False)
+            raise KeyboardInterrupt(f"while joining job {self._job_id!r} at {self.server_addr}: "
+                                    f"the join was withdrawn") from None
+        if placed is None:
             self.close(leave=True)
             raise RendezvousTimeout("DEADLINE_EXCEEDED", f"the host's membership was not placed within {timeout_s:g} s")
 

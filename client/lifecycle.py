@@ -365,14 +365,16 @@ def _shown(value: object) -> str:
     return text if len(text) <= 64 else text[:61] + "..."
 
 
-def advertised_address(server_addr: str, advertise_addr: str | None) -> str:
+def advertised_address(server_addr: str, advertise_addr: str | None, timeout_s: float = 0.0) -> str:
     """The IP this worker (or agent) gives peers: `advertise_addr`, else the
-    local address of its route to the (first) server.
+    local address of its route to the (first) server. A server's name that
+    does not resolve yet (or a host without a route yet) is waited for up to
+    `timeout_s` (session.route_source: with the join's warnings).
 
     Raises:
         InvalidRequest: `advertise_addr` is not an IP address.
         InvalidArgument: `server_addr` is not host:port (transport.server_addresses).
-        ServerUnavailable: the server's host does not resolve or has no route.
+        ServerUnavailable: the server's host does not resolve or has no route (within `timeout_s`).
     """
     if advertise_addr:
         try:
@@ -382,7 +384,11 @@ def advertised_address(server_addr: str, advertise_addr: str | None) -> str:
     host, port = server_addresses(server_addr)[0]  # of several replicas, the route to the first
     try:
         return str(ipaddress.ip_address(route_source_address(host, port)))
-    except OSError as exc:  # e.g. a host name that does not resolve
+    except OSError as exc:  # e.g. a host name that does not resolve (yet)
+        if timeout_s > 0:
+            from .session import route_source
+
+            return str(ipaddress.ip_address(route_source(server_addr, host, port, timeout_s)))
         raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: host {host!r}: "
                                 f"{exc.strerror or exc}") from None
 
@@ -433,7 +439,11 @@ class Membership:
             InvalidArgument: `server_addr` is not host:port, or the token is malformed.
             RendezvousError: the server refused the join or the world did not form in time.
         """
-        address = advertised_address(server_addr, advertise_addr)
+        started = time.monotonic()
+        address = advertised_address(server_addr, advertise_addr, timeout_s)  # waits for a name that resolves late
+        waited = time.monotonic() - started
+        if waited > 0.1:  # the name came late: the join has what is left of its timeout
+            timeout_s = max(0.1, round(timeout_s - waited, 1))
         env = os.environ if env is None else env
         keep = kept_peers(server_addresses(server_addr))
         if share_host:

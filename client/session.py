@@ -12,7 +12,11 @@ Join carries a client-chosen member id, so a Join retried after a broken call
 or a server restart re-attaches instead of joining twice. A Join that cannot
 reach the server retries with backoff until its timeout, and says so: a
 warning after UNREACHABLE_WARN_AFTER_S and every UNREACHABLE_WARN_EVERY_S
-after, with the address, why, and how long it goes on trying.
+after, with the address, why, and how long it goes on trying (a server name
+that does not resolve yet is waited for the same way: route_source). A
+mistake that trying again cannot heal (TLS that does not match the server's,
+the HTTP or health port, a token refused: transport.unhealable) ends the
+join at its first try instead. Ctrl-C in the wait withdraws the Join.
 
 A highly available server is several replicas (`server_addr` a comma-separated
 list, or a name that resolves to several addresses; see transport.Endpoints).
@@ -30,6 +34,7 @@ import logging
 import os
 import queue
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +43,7 @@ import grpc
 
 from commctx.v1 import rendezvous_pb2 as pb
 
+from .addresses import host_port
 from .assignment import Assignment
 from .errors import ServerUnavailable
 from .news import News, WorldChange
@@ -59,6 +65,41 @@ JOIN_BACKOFF_MAX_S = 3.0  # before the lease is known
 # constants: a test may shorten them).
 UNREACHABLE_WARN_AFTER_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 30.0
+
+
+def route_source(server_addr: str, host: str, port: int, timeout_s: float) -> str:
+    """The local address of this machine's route to `host`:`port` (the server's, or its first
+    replica's; `server_addr` as given, for messages). A name that does not resolve, or a host no
+    route leads to, is waited for as an unreachable server is (backoff, the same warnings) until
+    `timeout_s`: in a cluster that is starting, names come late (a Kubernetes headless Service's
+    resolves only once its pod is ready).
+
+    Raises:
+        ServerUnavailable: still no route after `timeout_s`; the message names the host.
+    """
+    from .netif import route_source_address  # (psutil: a worker's dependency, not the command line's)
+
+    start = time.monotonic()
+    deadline, next_warning, attempt = start + timeout_s, start + UNREACHABLE_WARN_AFTER_S, 0
+    while True:
+        try:
+            return route_source_address(host, port)
+        except OSError as exc:
+            unresolved = isinstance(exc, socket.gaierror)
+            cause = exc.strerror or str(exc)
+        now = time.monotonic()
+        if now + 0.05 >= deadline:
+            what = f"host {host!r} did not resolve within {timeout_s:g} s ({cause})" if unresolved else \
+                f"host {host!r}: {cause} for {timeout_s:g} s"
+            raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: {what}; check "
+                                                   f"server_addr= or COMMCTX_SERVER")
+        if now >= next_warning and deadline - now >= 0.5:
+            next_warning = now + UNREACHABLE_WARN_EVERY_S
+            log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s",
+                        host_port(host, port), now - start,
+                        f"host {host!r} does not resolve: {cause}" if unresolved else cause.lower(), deadline - now)
+        time.sleep(max(0.0, min(backoff(attempt, JOIN_BACKOFF_MAX_S), next_warning - now, deadline - now)))
+        attempt += 1
 
 
 def backoff(attempt: int, max_s: float = BACKOFF_MAX_S) -> float:
@@ -115,15 +156,26 @@ class Session(News):
             RendezvousError: the server refused the join (a subclass says why),
                 the world did not form within `timeout_s`, or the server could
                 not be reached.
+            ConnectionMismatch: at the first try, the address answers but not as
+                this client's settings expect (transport.unhealable).
+            KeyboardInterrupt: Ctrl-C in the wait; the Join was withdrawn (the
+                session is closed), and the traceback holds no gRPC frames.
         """
         request.member_id = self.member_id
         request.member_secret = self._secret
         self._job_id = request.job_id
         self._job_secret = request.job_secret  # a sealed job's: Leave carries it
         self._spare_port = request.master_port
-        with Progress(lambda r, t: self._endpoints.call("DescribeJob", r, t), request.job_id, request.job_secret,
-                      progress_s, progress_line):
-            response = self._join(request, timeout_s)
+        try:
+            with Progress(lambda r, t: self._endpoints.call("DescribeJob", r, t), request.job_id, request.job_secret,
+                          progress_s, progress_line):
+                response = self._join(request, timeout_s)
+        except KeyboardInterrupt:
+            # Ctrl-C in the wait: the Join call ends here (the server withdraws the membership), and
+            # the interrupt goes on to the program without gRPC's frames in its traceback.
+            self.close(leave=False)
+            raise KeyboardInterrupt(f"while joining job {request.job_id!r} at {self.server_addr}: "
+                                    f"the join was withdrawn") from None
         self.start(response)
         return self.assignment
 
@@ -164,6 +216,11 @@ class Session(News):
                 break
             except grpc.RpcError as exc:
                 err, hint = error_from_rpc(exc), leader_hint(exc)
+                # A mistake that trying again cannot heal (TLS that does not match, the HTTP port, another
+                # gRPC service, a token refused) ends the join at its first sign, naming what to change.
+                final = self._endpoints.unhealable(exc, addr, min(1.0, max(0.05, (deadline - time.monotonic()) / 2)))
+                if final is not None:
+                    raise final from None
                 if err.code in _TRANSIENT and err.reason != _TIMEOUT:
                     self._endpoints.failed(exc)  # to the leader it names, or the next replica
             if err.code not in _TRANSIENT or err.reason == _TIMEOUT:  # the server's own answer: final
@@ -177,8 +234,10 @@ class Session(News):
                     down_since, next_warning = now, now + UNREACHABLE_WARN_AFTER_S
                 if now >= next_warning and deadline - now >= 0.5:  # about to give up: the error says it
                     next_warning = now + UNREACHABLE_WARN_EVERY_S
-                    log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s",
-                                addr, now - down_since, why_unreachable(addr, min(1.0, (deadline - now) / 2)), deadline - now)
+                    following = self._endpoints.address  # another replica, where there are several
+                    log.warning("cannot reach the rendezvous server at %s for %.0f s (%s); still trying for %.0f s%s",
+                                addr, now - down_since, why_unreachable(addr, min(1.0, (deadline - now) / 2)), deadline - now,
+                                f", next at {following}" if following != addr else "")
                 pause = min(pause, max(0.01, next_warning - now))  # the warning comes on time
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))  # backoff, not polling a condition
             attempt += 1
@@ -235,7 +294,7 @@ class Session(News):
                 if err.reason == SESSION_REPLACED:  # another process holds this membership now: do not fight over it
                     log.error("membership %s of job %r: %s; this session stops", self.member_id, self._job_id, err.details)
                     return
-                self._endpoints.failed(exc)  # to the leader it names, or the next replica
+                moved = self._endpoints.failed(exc)  # to the leader it names, or the next replica
                 if answered and err.code == "UNAVAILABLE" and time.monotonic() - opened_at > 1.0:
                     # A working stream dropped (its connection reached its age, or
                     # broke): reconnect at once, within the server's reconnect grace.
@@ -249,6 +308,10 @@ class Session(News):
                     if err.reason == NOT_LEADER:
                         log.warning("rendezvous server %s is not the leader and knows none yet; the job keeps running, "
                                     "and the session reconnects when a leader answers", addr)
+                    elif moved:  # a failover: say where the session goes
+                        log.warning("rendezvous server %s unreachable (%s); the job keeps running, and the session "
+                                    "moves to %s (then the other replicas in turn) until the leader answers",
+                                    addr, err.code, self._endpoints.address)
                     else:
                         log.warning(
                             "rendezvous server %s unreachable (%s); the job keeps running, and the session "

@@ -346,7 +346,8 @@ class CommctxRendezvousHandler(RendezvousHandler):
         return n
 
     def _join(self) -> Sequence[pb.Assignment]:
-        address = advertised_address(self._server, self._local_addr)
+        started = time.monotonic()
+        address = advertised_address(self._server, self._local_addr, self._join_timeout)  # a late name is waited for
         # As CommContext.join does: gloo and NCCL use the interface that carries the
         # advertised address, unless the user chose one (workers inherit this).
         ifname = interface_of(address)
@@ -358,7 +359,7 @@ class CommctxRendezvousHandler(RendezvousHandler):
         self._spare = listen_on(address)
         self._request.address = address
         self._request.master_port = self._spare.getsockname()[1]
-        deadline = time.monotonic() + self._join_timeout
+        deadline = started + self._join_timeout
         while True:
             try:  # one Join: it answers with every worker's assignment
                 self._session.join(self._request, max(1.0, deadline - time.monotonic()), self._progress_s,
