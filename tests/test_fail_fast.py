@@ -12,6 +12,7 @@ names the cause and the setting to change, for each of:
 - the HTTP port, or any HTTP/1 server, given as the gRPC address, with or without TLS (server_addr=, --port);
 - a gRPC server without commctx's Rendezvous service, the health port (server_addr=);
 - no token, or one the server does not know (token=, COMMCTX_TOKEN);
+- a sealed job without its secret (job_secret=, COMMCTX_JOB_SECRET);
 
 in a host's shared membership (the default: the hub joins, the worker gets the
 error over the host link) and in a membership of its own, and through the
@@ -42,7 +43,7 @@ import time
 import grpc
 import pytest
 
-from commctx import CommContext, CommCtxError, ConnectionMismatch, ServerUnavailable, Unauthenticated
+from commctx import CommContext, CommCtxError, ConnectionMismatch, PermissionDenied, ServerUnavailable, Unauthenticated
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -212,6 +213,27 @@ def test_the_variables_are_read_as_the_arguments_are(servers, pki, monkeypatch):
     with pytest.raises(ConnectionMismatch, match=r"not signed by the CA in tls_ca='.*stranger_ca\.pem'.*COMMCTX_TLS_CA"):
         CommContext.join(servers["tls"], job_id="ff-env", world_size=2, timeout=TIMEOUT_S, progress_interval=0)
     assert time.monotonic() - start < FAST_S
+
+
+def test_a_sealed_job_s_refusal_names_the_job_secret_setting(servers, monkeypatch):
+    """PermissionDenied was final before; its message now names where the secret comes from."""
+    monkeypatch.delenv("COMMCTX_JOB_SECRET", raising=False)
+    with grpc.insecure_channel(servers["plain"]) as channel:
+        stub = pb_grpc.RendezvousStub(channel)
+        first = stub.Join.future(join_request("ff-sealed", 2, job_secret="ff-secret-0123456789", wait_timeout_ms=30_000))
+        try:
+            deadline = time.monotonic() + 15
+            while joined(stub, "ff-sealed", "ff-secret-0123456789") != 1:
+                assert time.monotonic() < deadline, "the sealing join never waited"
+                time.sleep(0.05)
+            start = time.monotonic()
+            with pytest.raises(PermissionDenied) as info:
+                CommContext.join(servers["plain"], job_id="ff-sealed", world_size=2, timeout=TIMEOUT_S, progress_interval=0)
+            assert time.monotonic() - start < FAST_S
+        finally:
+            first.cancel()
+    assert str(info.value) == ("PERMISSION_DENIED: job 'ff-sealed' is sealed: this join's job_secret is missing or wrong "
+                               "(job_secret= or COMMCTX_JOB_SECRET)")
 
 
 def test_the_torchrun_handler_fails_at_once_too(servers, monkeypatch):
@@ -393,9 +415,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def joined(stub: pb_grpc.RendezvousStub, job_id: str) -> int:
+def joined(stub: pb_grpc.RendezvousStub, job_id: str, job_secret: str = "") -> int:
     try:
-        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id), timeout=5).joined
+        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job_id, job_secret=job_secret), timeout=5).joined
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:  # the job went with its last member
             return 0
