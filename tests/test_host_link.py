@@ -87,10 +87,10 @@ def test_eight_workers_on_two_hosts_are_two_memberships_and_two_sessions(runtime
             w.send("destroy")
         for w in workers:
             assert w.event(60)["event"] == "destroyed"
-        # Every worker left: the last of each host took the membership with it, and the job is gone.
-        with pytest.raises(grpc.RpcError) as e:
-            describe(server.address, "shared")
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        # Every worker left: the last of each host took the membership with it, and the run has ended.
+        ended = describe(server.address, "shared")
+        assert (ended.state, ended.joined, ended.num_nodes, ended.ended_at > 0) == (pb.JobDescription.ENDED, 8, 2, True)
+        assert "finished" in ended.reason
 
 
 def test_opting_out_is_a_membership_a_worker(runtime):

@@ -64,7 +64,7 @@ async def test_a_sealed_job_admits_and_shows_itself_only_to_its_secret(stub):
     assert (d.state, d.joined, [n.node_key for n in d.nodes]) == (pb.JobDescription.FORMED, 2, ["node-a", "node-b"])
     # ListJobs: the sealed job as id and state only; the open one in full.
     listed = {j.job_id: j for j in (await stub.ListJobs(pb.ListJobsRequest())).jobs}
-    assert listed["ppo"] == pb.JobDescription(job_id="ppo", state=pb.JobDescription.FORMED)
+    assert listed["ppo"] == pb.JobDescription(job_id="ppo", state=pb.JobDescription.FORMED, run=1)
     assert (listed["open"].num_nodes, listed["open"].spec.world_size) == (1, 1)
     # Leave: the member's own secret is not enough for a sealed job; with the job's it goes.
     leave = pb.LeaveRequest(job_id="ppo", member_id=second.member_id, member_secret=second.member_secret)
@@ -120,7 +120,7 @@ def test_workers_seal_their_job_and_the_tool_opens_it(monkeypatch):
                     stub.Join(join_request("held2", 2, "n1", 1), timeout=5)
                 assert isinstance(error_from_rpc(info.value), PermissionDenied)
                 shown = commctx("status", "--addr", server.address, "--job", "held2", "--job-secret", SECRET)
-                assert shown.returncode == 0 and "job held2: forming" in shown.stdout and "n0" in shown.stdout
+                assert shown.returncode == 0 and "job held2 (run 1): forming" in shown.stdout and "n0" in shown.stdout
                 hidden = commctx("status", "--addr", server.address, "--job", "held2")
                 assert hidden.returncode == 1 and "PERMISSION_DENIED" in hidden.stderr and "n0" not in hidden.stderr
                 listed = commctx("status", "--addr", server.address)
