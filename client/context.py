@@ -109,20 +109,36 @@ class CommContext:
         torch.distributed through the assigned tcp:// URL and builds the
         GLOBAL, INTRA_NODE and INTER_NODE groups and every group of `spec`.
 
+        In a task of an srun step (SLURM_STEP_ID and SLURM_PROCID set) that
+        torchrun did not start (under torchrun its variables win), what the
+        arguments and COMMCTX_* leave open comes from Slurm: the job
+        'slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>' (each srun of an allocation
+        is a job of its own), world_size SLURM_NTASKS, node_key
+        SLURMD_NODENAME and, when the world is the whole step (world_size
+        SLURM_NTASKS, no elastic spec), node_rank SLURM_NODEID and local_rank
+        SLURM_LOCALID. The server's assignment is then checked against
+        those values; a global rank other than SLURM_PROCID only warns (a
+        step laid out other than block-wise: the server numbers node by node).
+
         Args:
             server_addr: 'host:port' of the rendezvous server (port defaults to 50051),
                 or of its HA replicas: a comma-separated list, or one DNS name
                 that resolves to several addresses; the leader is found and
                 followed across failovers. Default: COMMCTX_SERVER.
             job_id: The job to join; workers with the same id form one world.
-                Default: COMMCTX_JOB_ID.
-            world_size: Number of workers in the job.
-            node_key: Identifies this worker's node; default: the hostname and a
+                Default: COMMCTX_JOB_ID, else under srun the step's.
+            world_size: Number of workers in the job; under srun, default
+                SLURM_NTASKS.
+            node_key: Identifies this worker's node; default: under srun the
+                Slurm node's name (SLURMD_NODENAME), else the hostname and a
                 digest of /etc/machine-id ('gpu7_3f2a9c1e'), so that two hosts
                 of one name stay two nodes. The server refuses a default key
-                that arrives from two machines; a key given here is trusted.
-            local_rank: This worker's rank in its node, if the launcher knows it.
-            node_rank: This node's rank, if the launcher knows it.
+                (Slurm's included) that arrives from two machines; a key given
+                here is trusted.
+            local_rank: This worker's rank in its node, if the launcher knows it
+                (under srun, default SLURM_LOCALID).
+            node_rank: This node's rank, if the launcher knows it (under srun,
+                default SLURM_NODEID).
             role: This worker's role (e.g. "trainer"), for role-based groups.
             spec: The job's layout, roles and group rules, as the JobSpec
                 message or its JSON form as a dict (see proto/commctx/v1);
@@ -177,7 +193,10 @@ class CommContext:
                 Raised before any wait or network call.
             UsageError: this process is already initialised, no server
                 or job is given, NCCL without a CUDA device, or a TLS file
-                cannot be read.
+                cannot be read; under srun, a Slurm variable is malformed, or
+                the server assigned another world size, node rank, local rank
+                or node size than Slurm's (after the join; the message names
+                both).
             InvalidRequest: a `spec` dict that is not a JobSpec (before any call).
             RendezvousError: the server refused the join or the world did not
                 form in time (subclasses say which; see commctx.errors).
@@ -212,13 +231,30 @@ class CommContext:
             return ctx
         addr_source = "server_addr" if server_addr else "COMMCTX_SERVER"
         server_addr = server_addr or launcher.server
-        job_id = job_id or launcher.job_id
+        slurm = launcher.slurm  # a task of an srun step: Slurm gives what neither the caller nor COMMCTX_* did
+        job_id = job_id or launcher.job_id or (slurm.job if slurm is not None else None)
         if not server_addr:
             raise UsageError("no rendezvous server: pass server_addr or set COMMCTX_SERVER=host:port")
         if not job_id:
             raise UsageError("no job: pass job_id or set COMMCTX_JOB_ID")
         if not isinstance(job_id, str):
             raise InvalidArgument(f"job_id must be a string, not {type(job_id).__name__}")
+        from_slurm: set[str] = set()  # the values Slurm gave: checked against the server's after the join
+        if slurm is not None and world_size is None and slurm.ntasks is not None:
+            world_size = slurm.ntasks
+            from_slurm.add("world_size")
+        # Slurm's node and local ranks are this world's only when the world is the whole step
+        # (another world_size splits it) and forms at once (an elastic spec's may form smaller).
+        elastic = spec.HasField("elastic") if isinstance(spec, pb.JobSpec) else isinstance(spec, Mapping) and "elastic" in spec
+        if slurm is not None and world_size == slurm.ntasks and not elastic:
+            if node_rank is None and slurm.nodeid is not None:
+                node_rank = slurm.nodeid
+                from_slurm.add("node_rank")
+            if local_rank is None and slurm.localid is not None:
+                local_rank = slurm.localid
+                from_slurm.add("local_rank")
+        else:
+            from_slurm.clear()
         check_count("world_size", world_size, "the number of workers in the job")
         try:
             server_addresses(server_addr)
@@ -237,7 +273,7 @@ class CommContext:
         request = pb.JoinRequest(
             job_id=job_id, spec=job_spec_of(spec, world_size), role=role or "",
             job_secret=job_secret or "",
-            node_key=node_key or default_node_key(), local_rank=local_rank, node_rank=node_rank,
+            node_key=node_key or (slurm and slurm.node_name) or default_node_key(), local_rank=local_rank, node_rank=node_rank,
             host_id="" if node_key else host_id(),  # a key pinned on purpose is not checked against the machine
         )
         tls = tls_of(tls_ca, tls_cert, tls_key, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
@@ -246,6 +282,8 @@ class CommContext:
                 server_addr, request, advertise_addr=advertise_addr, backend=backend, timeout_s=timeout,
                 collective_timeout_s=collective_timeout, tls=tls, token=token, progress_s=progress_s,
                 abort_on_change=abort_on_change, share_host=share_host)
+            if from_slurm:
+                slurm.check(membership.assignment, from_slurm)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
             membership.enter(ctx._registry, timeout)

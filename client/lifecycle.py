@@ -36,6 +36,7 @@ from .netif import interface_of, listen_socket, route_source_address
 from .progress import DEFAULT_EVERY_S
 from .registry import GroupRegistry
 from .session import Session
+from .slurm import SlurmStep
 from .transport import Tls, server_addresses
 from .world import Peer, World, enter_world, kept_peers, leave_world
 
@@ -71,6 +72,7 @@ class LauncherEnv:
     torchrun_world: str | None = None  # COMMCTX_TORCHRUN_WORLD under torchrun: the agent's file of assignments
     progress_s: str | None = None  # COMMCTX_PROGRESS_S: seconds between "waiting for ..." lines (0: none)
     share_host: str | None = None  # COMMCTX_SHARE_HOST: "0" gives every worker a membership of its own
+    slurm: SlurmStep | None = None  # SLURM_*: this task's place in its srun step (not under torchrun)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LauncherEnv:
@@ -81,10 +83,15 @@ class LauncherEnv:
         COMMCTX_JOB_ID is not set: with a DeprecationWarning and (once per
         process) a warning on the `commctx` logger naming the new variable.
 
+        Slurm's variables are read in a task of an srun step (SLURM_STEP_ID
+        and SLURM_PROCID set) that torchrun did not start (TORCHELASTIC_RUN_ID
+        unset): see commctx.slurm.SlurmStep.from_env.
+
         Raises:
             UsageError: LOCAL_RANK or LOCAL_WORLD_SIZE (under torchrun
                 on commctx also RANK, GROUP_RANK or WORLD_SIZE) is set but not
-                a non-negative integer.
+                a non-negative integer; in an srun step, a Slurm variable is
+                malformed (the message names it).
         """
         env = os.environ if env is None else env
 
@@ -119,6 +126,7 @@ class LauncherEnv:
             torchrun_world=torchrun_world,
             progress_s=env.get("COMMCTX_PROGRESS_S") or None,
             share_host=env.get("COMMCTX_SHARE_HOST") or None,
+            slurm=SlurmStep.from_env(env),
         )
 
 
