@@ -23,7 +23,6 @@ from commctx.v1 import rendezvous_pb2 as pb
 from .assignment import Assignment
 from .errors import GroupNotFound, InvalidArgument, MemberNotFound, UsageError
 from .launched import LaunchedWorker
-from .machine import default_node_key, host_id
 from .lifecycle import (
     LauncherEnv,
     Membership,
@@ -36,6 +35,7 @@ from .lifecycle import (
     resolve_backend,
     share_host_of,
 )
+from .machine import default_node_key, host_id
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange
