@@ -220,8 +220,8 @@ class Admission:
         self._arm_last_call(job)
 
     def _check_seal(self, job: Job, p: JoinParams, caller: Caller) -> None:
-        self.guesses.check(caller, job.job_id)
         if job.seal and not hmac.compare_digest(job.seal, p.seal):
+            self.guesses.check(caller, job.job_id)  # only guessers are slowed: a right secret always passes
             self.guesses.failed(caller, job.job_id)
             raise Sealed(f"job {job.job_id!r} is sealed: this join's job_secret is missing or wrong")
         if p.seal and not job.seal:

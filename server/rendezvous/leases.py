@@ -318,6 +318,9 @@ class Leases:
         self._unseal(job_id, job.seal, job_secret, caller, "this leave's job_secret is missing or wrong")
         member = self._member(job, member_id, secret)
         actions = Actions()
+        if close and not (job.in_world(member_id, member) or caller.exempt):  # a standby, or a worker still waiting
+            log.info("close_ignored", extra={"fields": {"job": job_id, "member": member_id, "node": member.node_key}})
+            close = False  # it leaves; the run is its world's to close (or the admin's)
         if close and job.state is not JobState.CLOSED:
             self._stop(job, JobState.CLOSED, f"node {member.node_key!r} closed it (its launcher shut the run down)",
                        "was closed", actions)
