@@ -70,7 +70,7 @@ async def test_a_stranger_cannot_take_a_sealed_job_or_read_it(stub):
         err = await rejected(stub.DescribeJob(pb.DescribeJobRequest(job_id="team-a", job_secret=secret)))
         assert err.code() is Code.PERMISSION_DENIED and "node-a" not in err.details()
     (listed,) = (await stub.ListJobs(pb.ListJobsRequest())).jobs
-    assert listed == pb.JobDescription(job_id="team-a", state=pb.JobDescription.FORMING)  # id and state, nothing else
+    assert listed == pb.JobDescription(job_id="team-a", state=pb.JobDescription.FORMING, run=1)  # id and state, nothing else
     second = await stub.Join(join_request("team-a", 2, "node-b", 1, job_secret=JOB_SECRET))
     first = await real
     assert (first.assignment.rank, second.assignment.rank) == (0, 1) and first.assignment.master_addr == "127.0.0.1"

@@ -1135,7 +1135,7 @@ def test_a_refusal_is_recorded_and_a_storm_of_it_counted(rdzv, clock):
         with pytest.raises(Conflict):
             rdzv.join(params(JobSpec.build(4), "other"))
     actions = rdzv.take_outbox()
-    assert [type(w) for w in actions.writes] == [PutEvent] and len(actions.events) == 1
+    assert actions.writes == [] and len(actions.events) == 1  # published, not stored: a sample apart (test_trust.py)
     refused = rdzv.events("job")[-1]
     assert refused.kind == "refused" and "world_size=3 but this worker asked for world_size=4" in refused.message
     view = rdzv.describe("job")

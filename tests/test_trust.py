@@ -26,3 +26,33 @@ def test_a_standby_cannot_close_a_run_a_seated_member_can():
     assert [e.kind for e in rdzv.events("run")][-1] == "left"  # it left, as a plain leave
     rdzv.leave("run", a, caller=TEAM, close=True)  # a seated node's launcher shut the run down
     assert rdzv.describe("run").state is JobState.CLOSED
+
+
+def test_no_storm_of_refusals_evicts_a_jobs_life():
+    """Joins refused with ten thousand distinct node keys (distinct reasons) are
+    sampled apart: the job's joined and formed events stay; the refusals are
+    counted, and the last Refusals.KEPT of them listed, in seq order."""
+    from commctx.common.planning import JobSpec
+    from commctx.server.errors import Full
+    from commctx.server.rendezvous.model import Limits, Refusals
+    from commctx.server.rendezvous.store import PutEvent
+
+    from .test_machine import params
+
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=FakeClock(), limits=Limits(max_events_per_job=100))
+    spec = JobSpec.build(2)
+    for n in ("a", "b"):
+        join(rdzv, params(spec, n))
+    writes = []
+    for i in range(10_000):
+        try:
+            rdzv.join(params(spec, f"x{i}"))  # the world is full: "... node 'x17' cannot join it"
+        except Full:
+            pass
+        writes += rdzv.take_outbox().writes
+    events = rdzv.events("job")
+    assert [e.kind for e in events[:2]] == ["joined", "formed"] and len(events) == 2 + Refusals.KEPT
+    assert [e.seq for e in events] == sorted(e.seq for e in events) and events[-1].kind == "refused"
+    assert rdzv.describe("job").refused == 10_000
+    assert not [w for w in writes if isinstance(w, PutEvent)]  # a sample in memory: the store keeps the job's life
+    assert rdzv.last_event("job").kind == "refused"

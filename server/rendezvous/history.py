@@ -61,11 +61,22 @@ class Recording:
 
     def _event(self, job: Job, kind: EventKind, message: str, actions: Actions, **fields: object) -> None:
         """Appends an event to the job's history (the last max_events_per_job are kept):
-        persisted with the transition's writes, then published to its watchers."""
+        persisted with the transition's writes, then published to its watchers.
+
+        Refusals go apart, into a sample of their own (the last Refusals.KEPT,
+        in memory only, never persisted), so that no storm of refused joins,
+        a stranger's or a typo's, evicts the job's life: joined, formed,
+        reforming, lost, left, failed, ended."""
         now = self._wall()
         events = job.events
         if events.maxlen != self.limits.max_events_per_job:
             job.events = events = collections.deque(events, maxlen=self.limits.max_events_per_job)
+        seq = max(events[-1].seq if events else 0, job.refused.events[-1].seq if job.refused.events else 0) + 1
+        if kind is EventKind.REFUSED:
+            event = JobEvent(seq, now, kind.value, job.generation, message, fields)
+            job.refused.events.append(event)
+            actions.events.append((job.job_id, event))
+            return
         last = events[-1] if events else None
         if (kind is EventKind.JOINED and last is not None and last.kind == EventKind.JOINED.value
                 and last.generation == job.generation and now - last.fields.get("first", last.time) < self.JOIN_COALESCE_S):
@@ -76,10 +87,10 @@ class Recording:
                                   fields={**fields, "workers": count, "first": first})
             events[-1] = event  # a count that grew: the same seq, replaced
         else:
-            event = JobEvent(last.seq + 1 if last is not None else 1, now, kind.value, job.generation, message, fields)
-            dropped = len(events) == events.maxlen
+            event = JobEvent(seq, now, kind.value, job.generation, message, fields)
+            first = events[0].seq if len(events) == events.maxlen else None
             events.append(event)
-            if dropped and events[0].seq % 64 == 0:  # the store forgets the dropped ones now and then, not each time
+            if first is not None and first // 64 != events[0].seq // 64:  # the store forgets the dropped now and then
                 actions.writes.append(TrimEvents(job.job_id, events[0].seq))
         actions.writes.append(PutEvent(job.job_id, event))
         actions.events.append((job.job_id, event))
@@ -174,7 +185,9 @@ class Recording:
         job = self._jobs.get(job_id)
         kept = self._kept(job_id) if job is None else None
         history = job.events if job is not None else kept.events if kept is not None else ()
-        return history[-1] if history else None
+        last = history[-1] if history else None
+        refused = job.refused.events[-1] if job is not None and job.refused.events else None
+        return refused if refused is not None and (last is None or refused.seq > last.seq) else last
 
     def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None,
                caller: Caller = SERVER, run: int = 0) -> list[JobEvent]:
@@ -189,6 +202,8 @@ class Recording:
         job, kept = self._run_of(job_id, run)
         seal, history = (job.seal, job.events) if job is not None else (kept.view.seal, kept.events)
         self._unseal(job_id, seal, secret, caller, "give its job_secret to read its events")
+        if job is not None and job.refused.events:  # the two budgets, in one order
+            history = sorted((*history, *job.refused.events))
         out = []
         for event in reversed(history):  # the newest first: a follower asks for a few after its cursor
             if event.seq <= after:

@@ -413,11 +413,12 @@ class Refusals:
     reason was last recorded as an event (a storm of one reason is counted
     between two events of it, not stored each time)."""
 
-    __slots__ = ("count", "last", "recorded", "held")
+    __slots__ = ("count", "last", "recorded", "held", "events")
     QUIET_S = 10.0  # the same reason is recorded at most once per this many seconds
-    KEPT = 64  # reasons remembered (the oldest forgotten first)
+    KEPT = 64  # reasons remembered (the oldest forgotten first), and refusal events kept: apart from the job's life
 
     def __init__(self) -> None:
+        self.events: collections.deque[JobEvent] = collections.deque(maxlen=self.KEPT)  # in memory only: a sample
         self.count = 0
         self.last = ""
         self.recorded: dict[str, float] = {}  # reason -> when its last event was recorded
