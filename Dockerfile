@@ -16,6 +16,9 @@ RUN pip install --no-cache-dir /src \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin commctx \
     && install -d -o 10001 -g 10001 /var/lib/commctx
 USER 10001
+# Every interface: a container's loopback is reachable from nowhere else (the
+# server's own default is 127.0.0.1). Without COMMCTX_AUTH_TOKENS or
+# COMMCTX_TLS_CLIENT_CA it warns at start that it serves without authentication.
 ENV COMMCTX_HOST=0.0.0.0 COMMCTX_PORT=50051 COMMCTX_STATE_DIR=/var/lib/commctx
 VOLUME ["/var/lib/commctx"]
 EXPOSE 50051 50052 50080

@@ -95,7 +95,7 @@ class Setting:
 
 
 SETTINGS = (
-    Setting("host", str, "0.0.0.0", "address to listen on"),
+    Setting("host", str, "127.0.0.1", "address every port (--port, --health-port, --http-port) listens on; the default serves this machine only; 0.0.0.0 or :: serves every interface (a loud warning without --auth-tokens or --tls-client-ca)"),
     Setting("port", _port, "50051", "rendezvous (and health) gRPC port; 0 picks a free one"),
     Setting("health_port", _optional_port, "off", "an extra plaintext port serving only grpc.health.v1, e.g. for Kubernetes' gRPC probes; 0 picks a free one"),
     Setting("http_port", _optional_port, "50080", "HTTP port of the dashboard (/), the JSON API (/api/v1) and Prometheus metrics (/metrics); 0 picks a free one; off: none"),
@@ -136,7 +136,7 @@ SETTINGS = (
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 50051
     health_port: int | None = None
     http_port: int | None = 50080

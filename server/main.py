@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import ipaddress
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from .rendezvous.sqlite import SqliteStore
 from .rendezvous.store import Store, StoreError
 from .rpc.app import ListenError, ServerTls, start_server
 from .rpc.auth import Callers
-from .telemetry import configure_logging
+from .telemetry import JsonFormatter, configure_logging
 
 if TYPE_CHECKING:
     from .rendezvous.etcd import EtcdConfig
@@ -190,6 +191,57 @@ def store_line(config: Config, server) -> str:
     return f"sqlite {path} ({jobs} job{'s' * (jobs != 1)} restored)"
 
 
+def loopback_only(host: str) -> bool:
+    """Whether every address `host` listens on is a loopback one (127.0.0.0/8,
+    ::1): only this machine can reach it. 0.0.0.0, :: and "" are every interface;
+    a name counts by what it resolves to, and one that does not resolve as not loopback."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return False
+
+    def loopback(text: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(text.split("%", 1)[0])
+        except ValueError:
+            return False
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+        return (mapped or ip).is_loopback
+
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(loopback(a) for a in addresses)
+
+
+def exposure(config: Config, tls: ServerTls | None, callers: Callers | None, port: int,
+             http_port: int | None) -> tuple[bool, list[str]]:
+    """Whether the server is open to the network without authentication, and
+    the warnings to give at start (stderr) and on the dashboard: none on
+    loopback; serving beyond it, one when calls need neither a token
+    (--auth-tokens) nor a client certificate (--tls-client-ca), else one when
+    the HTTP API, which client certificates do not guard, needs no token."""
+    if loopback_only(config.host):
+        return False, []
+    if callers is None and (tls is None or tls.client_ca is None):
+        return True, [f"WARNING: serving on {host_port(config.host, port)} to the network without authentication: "
+                      f"anyone who reaches it can join, read and close jobs; set --auth-tokens or --tls-client-ca"]
+    if callers is None and http_port is not None:
+        return False, [f"WARNING: the HTTP API on {host_port(config.host, http_port)} shows every job that is not sealed "
+                       f"to anyone who reaches it (mutual TLS guards the gRPC port only); set --auth-tokens (its /api "
+                       f"then needs an admin token) or --http-port off"]
+    return False, []
+
+
+def warn_loudly(line: str, log_format: str) -> None:
+    """One line on stderr whatever --log-level says (with --log-format json, a JSON one)."""
+    if log_format == "json":
+        record = log.makeRecord(log.name, logging.WARNING, __file__, 0, "serving_without_authentication", (), None,
+                                extra={"fields": {"warning": line}})
+        line = JsonFormatter().format(record)
+    print(line, file=sys.stderr, flush=True)
+
+
 def advertise_address(config: Config, port: int) -> str:
     """--advertise-addr, else --host:port, else (host 0.0.0.0 or ::) this host's
     own address: the name of the host if it resolves, as in a StatefulSet."""
@@ -236,6 +288,12 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         print(f"commctx-server http on http://{host_port(config.host, server.http_port)}/ "
               f"(the dashboard; /metrics; /api/v1/jobs)", flush=True)
     print(f"commctx-server store: {store_line(config, server)}", flush=True)  # last: tools read the lines above by position
+    exposed, warnings = exposure(config, tls, callers, server.port, server.http_port)
+    for line in warnings:
+        warn_loudly(line, config.log_format)
+    web = getattr(server, "_web", None)  # the dashboard shows them too (a banner; /api/v1/server)
+    if web is not None:
+        web.open_to_network, web.warnings = exposed, tuple(warnings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 
 import grpc
@@ -149,6 +150,11 @@ async def test_the_job_is_listed_its_page_shows_the_ranks_per_node_and_a_loss_ar
         assert {(rank, cells[0]) for _, rank, cells in rows} == seats  # each node's rank and its worker's global rank
         assert sorted(key for key, _, _ in rows) == ["n0", "n1", "n2"]
         assert "formed" in await page.text("#job-state")
+        # the lease legend in words: TTL 30 s, renewed every 10 s; all three renewing
+        legend = " ".join((await page.text("#legend", "healthy")).split())
+        assert "healthy: renewed in the last 10 s 3" in legend and "ttl" not in legend, legend
+        assert await page.content("#legend .legend-count") == "3"
+        assert await page.js("return document.getElementById('exposed').hidden") is True  # a loopback server
         await page.text("#events .ev[data-kind='formed']")
         await page.text("#live", "live")
 
@@ -225,6 +231,27 @@ async def test_with_auth_tokens_the_page_asks_for_an_admin_token_and_shows_nothi
     finally:
         await page.leave()
         await server.stop(0)
+
+
+async def test_a_server_open_to_the_network_without_authentication_says_so_on_every_page(driver):
+    """commctx-server itself (the warning is its start-up's), --host 0.0.0.0 without tokens."""
+    from .cluster import Server
+
+    argv = [sys.executable, "-m", "commctx.server", "--host", "0.0.0.0", "--port", "0", "--http-port", "0", "--store", "memory"]
+    server = await asyncio.to_thread(Server, "127.0.0.1", argv=argv, metrics=True)
+    page = Page(driver, "http://127.0.0.1:" + server.http_url.rsplit(":", 1)[1].strip("/"))
+    try:
+        for path in ("/", "/jobs/no-such-job"):
+            await page.open(path)
+            banner = await page.text("#exposed", "without authentication")
+            assert banner.startswith("Open to the network without authentication")
+            assert f"serving on 0.0.0.0:{server.port} to the network without authentication" in banner
+            assert "set --auth-tokens or --tls-client-ca" in banner and "WARNING:" not in banner
+        colour = await page.js("return getComputedStyle(document.querySelector('.exposed-title')).color")
+        assert colour.startswith("rgb(199, 58, 58)"), colour  # --bad, red
+    finally:
+        await page.leave()
+        await asyncio.to_thread(server.stop)
 
 
 async def test_a_sealed_job_an_unknown_one_and_a_replica_that_does_not_lead(server, stub, page):

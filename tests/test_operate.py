@@ -154,12 +154,12 @@ def test_status_says_who_is_missing():
             table = commctx("status", "--addr", server.address)
             assert table.returncode == 0
             lines = table.stdout.splitlines()
-            assert lines[0].split() == ["JOB", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "REASON"]
-            assert re.match(r"ppo-7\s+forming\s+0\s+1/3\s+2\s+1\s+\d+s\s+waiting: 1 of 3 workers joined", lines[1])
-            assert re.match(r"sft\s+formed\s+1\s+1/1\s+0\s+1\s", lines[2])
+            assert lines[0].split() == ["JOB", "RUN", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "ENDED", "REASON"]
+            assert re.match(r"ppo-7\s+1\s+forming\s+0\s+1/3\s+2\s+1\s+\d+s\s+waiting: 1 of 3 workers joined", lines[1])
+            assert re.match(r"sft\s+1\s+formed\s+1\s+1/1\s+0\s+1\s", lines[2])
 
             detail = commctx("status", "--addr", server.address, "--job", "ppo-7")
-            assert "job ppo-7: forming, generation 0, 1 of 3 workers joined, 2 missing" in detail.stdout
+            assert "job ppo-7 (run 1): forming, generation 0, 1 of 3 workers joined, 2 missing" in detail.stdout
             assert "node keys that have not shown up: node1, node3" in detail.stdout
             assert re.search(r"node2\s+127\.0\.0\.1\s+1\s+trainer:1", detail.stdout)
 
@@ -300,6 +300,131 @@ def test_a_server_whose_store_another_takes_over_stops(tmp_path):
         first.stop()
         if second is not None:
             second.stop()
+
+
+# -- who can reach it: loopback by default, a loud line beyond it without authentication ----
+
+
+def non_loopback_ipv4() -> str | None:
+    """An IPv4 address of this machine other than loopback (None: it has none)."""
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) pairs the process listens on (TCP); gRPC's IPv6
+    sockets as what they accept: ::ffff:127.0.0.1 is 127.0.0.1, and :: (dual
+    stack) every interface, 0.0.0.0 included."""
+    import psutil
+
+    out = set()
+    for c in psutil.Process(pid).net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN:
+            ip = c.laddr.ip.removeprefix("::ffff:")
+            out.add(("0.0.0.0" if ip == "::" else ip, c.laddr.port))
+    return out
+
+
+def reaches(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def server_info(server: Server) -> dict:
+    with urllib.request.urlopen(server.http_url + "api/v1/server", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def cli_server(*args: str) -> Server:
+    """commctx-server as a user types it (no --host unless given), every port on a free one."""
+    argv = [sys.executable, "-m", "commctx.server", "--port", "0", "--health-port", "0", "--http-port", "0",
+            "--store", "memory", *args]
+    return Server("127.0.0.1", argv=argv, health=True, metrics=True)
+
+
+UNAUTHENTICATED = ("WARNING: serving on 0.0.0.0:{port} to the network without authentication: anyone who reaches it "
+                   "can join, read and close jobs; set --auth-tokens or --tls-client-ca")
+
+
+def test_by_default_every_port_listens_on_loopback_only():
+    assert "COMMCTX_HOST" not in os.environ
+    server = cli_server()
+    try:
+        health_port, http_port = int(server.health_address.rsplit(":", 1)[1]), int(server.http_url.rsplit(":", 1)[1].strip("/"))
+        assert server.banner.strip() == f"commctx-server (plaintext, tokens off) listening on 127.0.0.1:{server.port}"
+        assert server.http_url == f"http://127.0.0.1:{http_port}/"
+        assert listening(server.popen.pid) == {("127.0.0.1", server.port), ("127.0.0.1", health_port), ("127.0.0.1", http_port)}
+        assert reaches("127.0.0.1", server.port)
+        other = non_loopback_ipv4()
+        if other is not None:  # this machine's own network address reaches none of them
+            assert [reaches(other, p) for p in (server.port, health_port, http_port)] == [False, False, False]
+        assert server_info(server) == {"auth": False, "leading": True, "leader": None, "open_to_network": False, "warnings": []}
+        assert "WARNING" not in server.log()
+    finally:
+        server.stop()
+
+
+def test_beyond_loopback_without_authentication_it_says_so_at_start_and_in_the_api():
+    server = cli_server("--host", "0.0.0.0")
+    try:
+        line = UNAUTHENTICATED.format(port=server.port)
+        wait_until(lambda: line in server.log(), what="the warning on stderr")
+        assert [x for x in server.log().splitlines() if "WARNING" in x] == [line]  # one line
+        health_port = int(server.health_address.rsplit(":", 1)[1])
+        http_port = int(server.http_url.rsplit(":", 1)[1].strip("/"))
+        assert listening(server.popen.pid) == {("0.0.0.0", server.port), ("0.0.0.0", health_port), ("0.0.0.0", http_port)}
+        other = non_loopback_ipv4()
+        if other is not None:
+            assert reaches(other, server.port)
+        info = server_info(server)
+        assert (info["auth"], info["open_to_network"], info["warnings"]) == (False, True, [line])
+    finally:
+        server.stop()
+
+
+def test_with_tokens_beyond_loopback_there_is_no_warning(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ops-token-0123456789 admin\n")
+    server = cli_server("--host", "0.0.0.0", "--auth-tokens", str(tokens))
+    try:
+        assert "tokens on" in server.banner
+        assert server_info(server) == {"auth": True, "leading": True, "leader": None, "open_to_network": False, "warnings": []}
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:  # up and serving: its start-up is over
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert "WARNING" not in server.log()
+    finally:
+        server.stop()
+
+
+def test_what_counts_as_loopback_and_which_warning_applies(capsys):
+    from commctx.server.config import from_env
+    from commctx.server.main import exposure, loopback_only, warn_loudly
+    from commctx.server.rpc.app import ServerTls
+
+    assert [loopback_only(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost", "::ffff:127.0.0.1")] == [True] * 5
+    assert [loopback_only(h) for h in ("0.0.0.0", "::", "", "192.0.2.7", "fd00::2", "no-such-host.invalid")] == [False] * 6
+    assert from_env([], {}).host == "127.0.0.1"
+    assert from_env([], {"COMMCTX_HOST": "0.0.0.0"}).host == "0.0.0.0"
+    anywhere = from_env(["--host", "0.0.0.0"], {})
+    assert exposure(from_env([], {}), None, None, 50051, 50080) == (False, [])
+    assert exposure(anywhere, None, None, 50051, 50080) == (True, [UNAUTHENTICATED.format(port=50051)])
+    assert exposure(anywhere, ServerTls(b"c", b"k"), None, 50051, 50080)[0] is True  # TLS without client certificates
+    mutual = ServerTls(b"c", b"k", b"ca")
+    opened, (line,) = exposure(anywhere, mutual, None, 50051, 50080)  # client certificates guard gRPC, not HTTP
+    assert not opened and line.startswith("WARNING: the HTTP API on 0.0.0.0:50080 shows every job that is not sealed")
+    assert exposure(anywhere, mutual, None, 50051, None) == (False, [])
+    assert exposure(anywhere, None, object(), 50051, 50080) == (False, [])  # tokens: /api needs an admin one
+    warn_loudly("WARNING: x", "json")
+    record = json.loads(capsys.readouterr().err)
+    assert (record["level"], record["event"], record["warning"]) == ("WARNING", "serving_without_authentication", "WARNING: x")
 
 
 # -- configuration --------------------------------------------------------------------------

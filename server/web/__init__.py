@@ -7,7 +7,8 @@ jobs and their events, and a live dashboard whose assets ship in the package
     GET /jobs/<job_id>                         a job: its nodes x local ranks, groups, who is missing, its events
     GET /static/<asset>                        the pages' script and style
     GET /metrics                               Prometheus metrics (open, as the gRPC health service is)
-    GET /api/v1/server                         whether the API needs a token (no job data)
+    GET /api/v1/server                         whether the API needs a token, whether this replica leads, whether
+                                               the server is open to the network without authentication (no job data)
     GET /api/v1/jobs?page_size=&page_token=    {"jobs": [...], "next_page_token": ...}
     GET /api/v1/jobs/<job_id>?node_page_size=&node_page_token=
     GET /api/v1/jobs/<job_id>/events?after=&page_size=
@@ -71,6 +72,10 @@ class WebServer:
         assets = importlib.resources.files(__package__) / "assets"
         self._pages = {name: (assets / name).read_bytes() for name in ("index.html", "job.html", *ASSETS)}
         self.port = 0
+        # Set by commctx-server (server/main.py `exposure`): it serves beyond loopback and
+        # calls need no credential; the start-up warnings, which the pages show as a banner.
+        self.open_to_network = False
+        self.warnings: tuple[str, ...] = ()
 
     # -- serving -----------------------------------------------------------------------
 
@@ -149,7 +154,8 @@ class WebServer:
 
     async def _about(self, request: web.Request) -> web.Response:
         return _json({"auth": self._callers is not None, "leading": self._server.term is not None,
-                      "leader": self._server.leader or None})
+                      "leader": self._server.leader or None, "open_to_network": self.open_to_network,
+                      "warnings": list(self.warnings)})
 
     # -- the API -------------------------------------------------------------------------
 

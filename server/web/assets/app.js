@@ -176,6 +176,18 @@
     fill(box, ...parts);
   }
 
+  /** The server's start-up warnings (it serves the network without authentication): a banner on every page. */
+  function showExposure() {
+    const box = $('exposed');
+    if (!box) return;
+    const lines = (server.warnings || []).map((w) => w.replace(/^WARNING: /, ''));
+    if (!lines.length) { box.hidden = true; return; }
+    fill(box, el('strong', {class: 'exposed-title', text: server.open_to_network
+      ? 'Open to the network without authentication' : 'The JSON API is open to the network'}),
+    ...lines.map((line) => el('span', {class: 'exposed-text', text: line})));
+    box.hidden = false;
+  }
+
   function notice(kind, title, body, link) {
     const n = $('notice');
     n.className = `notice ${kind}`;
@@ -247,6 +259,7 @@
       return;
     }
     showServer();
+    showExposure();
     if (server.auth && !token()) { askToken(''); return; }
     start();
   }
@@ -748,9 +761,14 @@
 
   // ---- the worker grid: node x local rank ---------------------------------
 
+  // Workers renew their lease every third of its TTL: a lease renewed within that is healthy.
+  const secs = (s) => `${+s.toFixed(1)} s`;
   const LEASES = [
-    ['ok', 'renewed < ttl/3 ago'], ['late', 'renewed > ttl/3 ago'], ['risk', 'renewed > 2/3 ttl ago'],
-    ['first', 'first lease'], ['join', 'in join'], ['detached', 'detached'],
+    ['ok', (ttl) => `healthy: renewed in the last ${secs(ttl / 3)}`],
+    ['late', (ttl) => `late: last renewed ${secs(ttl / 3)} to ${secs(2 * ttl / 3)} ago`],
+    ['risk', (ttl) => `at risk: not renewed for ${secs(2 * ttl / 3)} (lost at ${secs(ttl)})`],
+    ['first', () => 'first lease, not renewed yet'], ['join', () => 'waiting in its join'],
+    ['detached', () => 'detached: its session ended, its seat kept for a reconnect'],
   ];
 
   function leaseClass(w, ttl) {
@@ -842,23 +860,24 @@
     }
 
     legend() {
+      const count = (n) => el('span', {class: 'legend-count', text: num(n), title: `${num(n)} worker${n === 1 ? '' : 's'}`});
       const roleItems = [];
       const counts = new Map();
       for (const n of this.nodes) for (const w of n.workers) counts.set(w.role, (counts.get(w.role) || 0) + 1);
       for (const [role, i] of this.roles) {
         roleItems.push(el('span', {class: 'legend-item'}, el('span', {class: `sw role-${i % 8}`}), role,
-          el('span', {class: 'muted', text: ` ${num(counts.get(role) || 0)}`})));
+          count(counts.get(role) || 0)));
       }
       if (counts.has('')) roleItems.push(el('span', {class: 'legend-item'}, el('span', {class: 'sw role-none'}), 'no role',
-        el('span', {class: 'muted', text: ` ${num(counts.get(''))}`})));
+        count(counts.get(''))));
       const leaseCounts = new Map();
       for (const n of this.nodes) for (const w of n.workers) {
         const c = leaseClass(w, this.ttl);
         leaseCounts.set(c, (leaseCounts.get(c) || 0) + 1);
       }
       const leaseItems = LEASES.filter(([c]) => leaseCounts.has(c) || c === 'ok').map(([c, label]) =>
-        el('span', {class: 'legend-item'}, el('span', {class: `sw lease-${c}`}), label,
-          el('span', {class: 'muted', text: ` ${num(leaseCounts.get(c) || 0)}`})));
+        el('span', {class: 'legend-item'}, el('span', {class: `sw lease-${c}`}), label(this.ttl || 0),
+          count(leaseCounts.get(c) || 0)));
       fill(this.legendBox,
         this.by === 'role' ? el('div', {class: 'legend-group'}, el('span', {class: 'legend-title', text: 'Role'}), roleItems) : null,
         el('div', {class: 'legend-group'}, el('span', {class: 'legend-title', text: this.by === 'role' ? 'Lease (bar)' : 'Lease'}), leaseItems));
