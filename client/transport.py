@@ -583,8 +583,17 @@ class Endpoints:
         """Opens the current replica's channel and starts connecting it now
         (without waiting), so that the first call finds it ready."""
         channel = self._entry()[0]
-        channel.subscribe(_ignore, try_to_connect=True)
-        channel.unsubscribe(_ignore)
+        # grpc's core channel (under an intercepted one), asked directly, starts connecting without the
+        # polling thread of subscribe(), which raises, unhandled, when the channel closes within its
+        # 0.2 s poll (a torchrun handler created and dropped at once).
+        core = channel
+        while core is not None and not hasattr(core, "check_connectivity_state"):
+            core = getattr(core, "_channel", None)
+        if core is not None:
+            core.check_connectivity_state(True)
+        else:
+            channel.subscribe(_ignore, try_to_connect=True)
+            channel.unsubscribe(_ignore)
 
     def _open(self, address: str) -> grpc.Channel:
         if self._single and address == self._given[0]:
