@@ -94,7 +94,7 @@ async def test_a_sealed_job_is_shown_only_by_id_and_state(web):
     joining = asyncio.ensure_future(stub.Join(join_request("secret", 2, job_secret="s3cret-of-16-chars")))
     await eventually(lambda: "secret" in server.machine.job_ids())
     _, jobs = await aget(f"{base}/api/v1/jobs")
-    assert jobs["jobs"] == [{"job_id": "secret", "state": "forming", "sealed": True}]
+    assert jobs["jobs"] == [{"job_id": "secret", "run": 1, "state": "forming", "sealed": True, "ended_at": None}]
     for path in ("/api/v1/jobs/secret", "/api/v1/jobs/secret/events", "/api/v1/jobs/secret/events/stream"):
         status, body = await aget(base + path)
         assert status == 403 and "sealed" in body["error"], path

@@ -43,7 +43,7 @@ from ..errors import NotFound, Refusal, Sealed
 from ..rendezvous.model import JobEvent, JobView
 from ..rendezvous.params import check_job_id
 from ..rendezvous.shares import SERVER, TOKEN, Caller
-from ..rendezvous.views import MAX_NODE_PAGE_SIZE, MAX_PAGE_SIZE, NODE_PAGE_SIZE, PAGE_SIZE
+from ..rendezvous.views import MAX_NODE_PAGE_SIZE, MAX_PAGE_SIZE, NODE_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.watching import JOB_GONE, TooSlow
 from ..rpc.auth import ADMIN, Callers
 
@@ -186,25 +186,29 @@ class WebServer:
         admin = self._admin(request)
         machine = self._machine()
         size = min(_number(request, "page_size", PAGE_SIZE, 1), MAX_PAGE_SIZE)  # a huge page is capped
-        views, more = machine.job_page(request.query.get("page_token", ""), size)
+        ended = request.query.get("ended", "") in ("1", "true")  # the runs that ended and are kept, too
+        views, more = machine.job_page(request.query.get("page_token", ""), size, ended)
         jobs = []
         for view in views:
             if view.seal and not admin:
-                jobs.append({"job_id": view.job_id, "state": view.state.value, "sealed": True})
+                jobs.append({"job_id": view.job_id, "run": view.run, "state": view.state.value, "sealed": True,
+                             "ended_at": view.ended_at or None})
                 continue
-            last = machine.last_event(view.job_id)
-            jobs.append({**_summary(view), "last_event": _event(last) if last is not None else None})
-        return _json({"jobs": jobs, "next_page_token": views[-1].job_id if more else ""})
+            last = machine.events(view.job_id, run=view.run)[-1:] if view.ended_at else [machine.last_event(view.job_id)]
+            jobs.append({**_summary(view), "last_event": _event(last[0]) if last and last[0] is not None else None})
+        token = (page_key(views[-1]) if ended else views[-1].job_id) if more else ""
+        return _json({"jobs": jobs, "next_page_token": token})
 
     def _view(self, request: web.Request, first: int = 0, count: int | None = 0) -> tuple[Rendezvous, JobView]:
         admin = self._admin(request)
         machine = self._machine()
         job_id = request.match_info["job_id"]
+        run = _number(request, "run", 0, 0)  # 0: the live run, else the latest that ended
         try:
             check_job_id(job_id)
-            view = machine.describe(job_id, None if admin else "", first, count)
-        except NotFound:
-            raise _error(web.HTTPNotFound, f"no job {job_id[:128]!r} on this server") from None
+            view = machine.describe(job_id, None if admin else "", first, count, run=run)
+        except NotFound as exc:
+            raise _error(web.HTTPNotFound, str(exc)) from None
         except Sealed:
             raise _error(web.HTTPForbidden, f"job {job_id!r} is sealed: only an admin token shows it") from None
         except Refusal as exc:
@@ -215,8 +219,9 @@ class WebServer:
         first = _number(request, "node_page_token", 0, 0)
         size = min(_number(request, "node_page_size", NODE_PAGE_SIZE, 1), MAX_NODE_PAGE_SIZE)
         machine, view = self._view(request, first, size)
-        workers = machine.workers(view.job_id, [n.node_key for n in view.nodes])
-        plan = machine.plan_of(view.job_id)
+        ended = bool(view.ended_at)  # a run that ended: who took part, no workers or groups held any more
+        workers = {} if ended else machine.workers(view.job_id, [n.node_key for n in view.nodes])
+        plan = None if ended else machine.plan_of(view.job_id)
         out = _summary(view)
         out.update(
             spec=view.spec.to_json(),
@@ -226,24 +231,25 @@ class WebServer:
             refused=view.refused,
             last_refused=view.last_refused,
             lease_ttl_s=machine.lease_ttl_s,
-            nodes=[{"node_key": n.node_key, "node_rank": n.node_rank, "address": n.address, "workers": [
+            nodes=[{"node_key": n.node_key, "node_rank": n.node_rank, "address": n.address,
+                    "addresses": list(n.addresses or (n.address,)), "took_part": n.workers if ended else None, "workers": [
                 {"worker_id": w.worker_id, "local_rank": w.local_rank, "rank": w.rank, "role": w.role, "lease": w.lease,
                  "renewed_s_ago": None if w.renewed_s_ago is None else round(w.renewed_s_ago, 2)}
-                for w in workers[n.node_key]]} for n in view.nodes],
+                for w in workers.get(n.node_key, ())]} for n in view.nodes],
             next_node_page_token=str(first + len(view.nodes)) if first + len(view.nodes) < view.num_nodes else "",
             groups=[{"mode": mode, "count": len(groups), "sizes": sorted({g.size for g in groups}),
                      "cpu_twin": any(g.cpu_twin for g in groups),
                      "groups": [{"index": g.index, "ranks": expand(g.ranks)[:64], "size": g.size, "root": g.root}
                                 for g in groups[:GROUP_EXAMPLES]]}
                     for mode, groups in (plan.all_groups().items() if plan is not None else ())],
-            events=[_event(e) for e in machine.events(view.job_id)[-50:]],
+            events=[_event(e) for e in machine.events(view.job_id, run=view.run)[-50:]],
         )
         return _json(out)
 
     async def _events(self, request: web.Request) -> web.Response:
         machine, view = self._view(request)
         size = min(_number(request, "page_size", PAGE_SIZE, 1), MAX_PAGE_SIZE)
-        events = machine.events(view.job_id, _number(request, "after", 0, 0), size + 1)
+        events = machine.events(view.job_id, _number(request, "after", 0, 0), size + 1, run=view.run)
         shown = events[:size]
         return _json({"events": [_event(e) for e in shown],
                       "next_page_token": str(shown[-1].seq) if len(events) > size else ""})
@@ -257,6 +263,11 @@ class WebServer:
         last_id = request.headers.get("Last-Event-ID", "")
         if last_id.isdigit() and len(last_id) < 20:
             after = max(after, int(last_id))
+        if view.ended_at:  # a run that ended: its events, then the end
+            kept = "".join(f"id: {e.seq}\nevent: job-event\ndata: {json.dumps(_event(e))}\n\n"
+                           for e in machine.events(view.job_id, after, run=view.run))
+            return web.Response(body=(kept + "event: end\ndata: {}\n\n").encode(),
+                                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"})
         watchers = self._server.executor.watchers
         watch = watchers.open(view.job_id, machine.events(view.job_id, after))  # no await in between
         caller = self._caller(request)
@@ -320,7 +331,9 @@ def _summary(v: JobView) -> dict[str, Any]:
         "job_id": v.job_id, "state": v.state.value, "sealed": bool(v.seal), "generation": v.generation,
         "joined": v.joined, "world_size": v.spec.world_size, "min_size": v.spec.min_size, "missing": v.missing,
         "num_nodes": v.num_nodes, "age_s": round(v.forming_for_s, 1) if math.isfinite(v.forming_for_s) else None,
-        "reason": v.reason, "refused": v.refused,
+        "reason": v.reason, "refused": v.refused, "run": v.run, "started_at": v.started_at or None,
+        "ended_at": v.ended_at or None, "other_runs": list(v.other_runs),
+        "nodes_min": v.spec.min_world if v.spec.nodes else None,  # a job of nodes (torchrun's): its sizes count nodes
     }
 
 
