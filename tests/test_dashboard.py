@@ -23,6 +23,7 @@ import pytest
 from commctx.server import start_server
 from commctx.server.rendezvous.model import EventKind
 from commctx.server.rpc.auth import Callers
+from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .conftest import eventually, join_request
@@ -279,3 +280,22 @@ async def test_a_sealed_job_an_unknown_one_and_a_replica_that_does_not_lead(serv
         assert "follower" in await page.text("#server")
     finally:
         waiting.cancel()
+
+
+async def test_a_run_that_ended_is_listed_and_its_page_says_who_took_part(server, stub, page):
+    members = await world(stub, "done", 2)  # elastic: n0 leaving re-forms it as generation 2, n1 alone
+    for m in members:  # both leave: the run has ended
+        await m.stub.Leave(pb.LeaveRequest(job_id="done", member_id=m.joined.member_id, member_secret=m.joined.member_secret))
+        m.close()
+    await page.open("/")
+    row = await page.text('#ended tbody tr[data-job="done"]')
+    assert row.split("\t")[1:6] == ["1", "ended", "2", "1 on 1 node", "0s"] and "(node 'n1', rank 0) left, the last to go" in row, row
+    assert (await page.js("return document.querySelector('#ended a.job-link').href")).endswith("/jobs/done?run=1")
+    assert await page.js("return document.getElementById('jobs-empty').hidden") is False  # nothing live
+    await page.click("#ended a.job-link")
+    took = await page.text("#took-part tbody")
+    assert [line.split() for line in took.splitlines()] == [["0", "n1", "127.0.0.1", "1"]]  # its last world
+    assert "Run 1 ended" in await page.text("#took-part-note")
+    assert await page.js("return document.getElementById('grid-panel').hidden") is True
+    await page.text("#events .ev[data-kind='ended']")
+    await page.text("#live", "run ended")

@@ -74,10 +74,10 @@ async def test_a_jobs_life_is_listed_and_watched_as_it_happens(stub):
     rest = []
     while (e := await asyncio.wait_for(watch.read(), 15)) is not grpc.aio.EOF:  # then it ends: the job is gone
         rest.append(e.kind)
-    assert rest == ["left", "reforming", "formed", "left"]  # a Leave within the grace is a leave, not a loss
+    assert rest == ["left", "reforming", "formed", "left", "ended"]  # a Leave within the grace is a leave, not a loss
     kept = await listed(stub, "life")  # the run that finished keeps its history, and a watch of it ends at once
     assert [e.kind for e in kept] == ["joined", "formed", "lost", "reforming", "formed", "left", "reforming", "formed", "left",
-                                      "left"][:len(kept)] and kept[-1].kind == "left"
+                                      "ended"] and "the last to go" in kept[-1].message
     again = stub.WatchEvents(pb.WatchEventsRequest(job_id="life", after_seq=kept[-2].seq))
     assert [(await again.read()).seq, await again.read()] == [kept[-1].seq, grpc.aio.EOF]
     with pytest.raises(grpc.aio.AioRpcError) as gone:

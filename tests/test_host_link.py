@@ -90,7 +90,7 @@ def test_eight_workers_on_two_hosts_are_two_memberships_and_two_sessions(runtime
         # Every worker left: the last of each host took the membership with it, and the run has ended.
         ended = describe(server.address, "shared")
         assert (ended.state, ended.joined, ended.num_nodes, ended.ended_at > 0) == (pb.JobDescription.ENDED, 8, 2, True)
-        assert "finished" in ended.reason
+        assert " left, the first of its 8 workers to go" in ended.reason, ended.reason
 
 
 def test_opting_out_is_a_membership_a_worker(runtime):

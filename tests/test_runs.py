@@ -245,7 +245,7 @@ def test_the_json_api_lists_runs_that_ended_and_describes_each():
             status, one = get("/api/v1/jobs/m11?run=1")
             assert status == 200 and (one["run"], one["state"], one["other_runs"], one["joined"]) == (1, "ended", [3, 2], 1)
             assert [(n["node_key"], n["took_part"], n["workers"]) for n in one["nodes"]] == [("n", 1, [])]
-            assert [e["kind"] for e in one["events"]][:2] == ["joined", "formed"] and "finished" in one["reason"]
+            assert [e["kind"] for e in one["events"]][:2] == ["joined", "formed"] and "left, the last to go" in one["reason"]
             status, stream = get("/api/v1/jobs/m11/events/stream?run=1")
             assert status == 200 and stream.rstrip().endswith("event: end\ndata: {}") and stream.count("event: job-event") >= 3
             status, missing = get("/api/v1/jobs/m11?run=9")

@@ -413,8 +413,11 @@ class Leases:
             actions.wakes.append((job.job_id, MemberGone(member_id)))
         if not job.members:  # the run has ended: kept a while (also across a restart), and the id is free
             if not job.state.over and job.generation > 0:  # the last of a world, with no verdict yet
-                job.state = JobState.ENDED if why == "left" else JobState.FAILED
-                job.reason = f"{'finished: ' if why == 'left' else ''}member {member_id} ({where}) {said}, the last to go"
+                left = why == "left"
+                job.state = JobState.ENDED if left else JobState.FAILED
+                job.reason = f"member {member_id} ({where}) {said}, the last to go"
+                self._event(job, EventKind.ENDED if left else EventKind.FAILED, f"{'finished' if left else 'failed'}: {job.reason}",
+                            actions, reason=job.reason)
             del self._jobs[job.job_id]
             self.shares.give(JOBS, job.creator)
             self._end_run(job, actions)
@@ -433,8 +436,8 @@ class Leases:
         remain = f"{n} {unit}{'s' * (n != 1)} remain{'s' * (n == 1)}"
         if job.units < job.spec.min_world and why == "left":  # members leaving: the job is finishing
             fixed = job.spec.min_size is None and not job.spec.nodes  # a fixed world ends when its first worker leaves
-            reason = (f"finished: {what}, the first of its {job.spec.world_size} workers to go" if fixed else
-                      f"finished: {what}; {remain}, below the minimum of {job.spec.min_world}")
+            reason = (f"{what}, the first of its {job.spec.world_size} workers to go" if fixed else
+                      f"{what}; {remain}, below the minimum of {job.spec.min_world}")
             self._stop(job, JobState.ENDED, reason, "finished", actions)
         elif job.units < job.spec.min_world and not job.spec.nodes:
             reason = f"{what}; {remain}, fewer than the minimum of {job.spec.min_world}"

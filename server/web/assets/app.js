@@ -311,6 +311,7 @@
       $('content').hidden = false;
       if (!page.jobs.length && tokens.length > 1) { tokens.length = 1; return load(); }  // the page emptied: back to the first
       fill(tbody, ...page.jobs.map(jobRow));
+      if (tokens.length === 1) await loadEnded();
       $('jobs-empty').hidden = page.jobs.length > 0;
       if (!page.jobs.length) {
         fill($('jobs-empty'), el('strong', {text: 'No jobs on this server yet'}),
@@ -330,6 +331,22 @@
         }, 0));
       }
       return true;
+    }
+
+    async function loadEnded() {   // the kept runs that ended, newest first (the first page of them)
+      let page;
+      try {
+        page = await api(`/api/v1/jobs?ended=1&page_size=${JOBS_PAGE}`);
+      } catch (err) {
+        return;
+      }
+      const runs = page.jobs.filter((j) => j.ended_at).sort((a, b) => b.ended_at - a.ended_at);
+      fill($('ended').tBodies[0], ...runs.map(endedRow));
+      $('ended').hidden = !runs.length;
+      $('ended-empty').hidden = runs.length > 0;
+      if (server && server.retain_ended_s) $('ended-kept').textContent = duration(server.retain_ended_s);
+      fill($('ended-empty'), el('strong', {text: 'No run has ended yet'}),
+        'A job whose workers have all left is listed here, with who took part and why it ended.');
     }
 
     $('next').addEventListener('click', () => {
@@ -376,6 +393,27 @@
         : el('span', {class: 'muted', text: '—'})));
   }
 
+  function endedRow(j) {
+    const href = `${jobHref(j.job_id)}?run=${j.run}`;
+    const link = el('a', {class: 'job-link', href, text: j.job_id, title: j.job_id});
+    if (j.generation === undefined) {  // sealed, and no admin token
+      return el('tr', {class: 'sealed-row', dataset: {job: j.job_id, run: j.run}},
+        el('td', {}, link), el('td', {class: 'num', text: num(j.run)}), el('td', {}, badge(j.state)),
+        el('td', {class: 'muted', colspan: 4, text: 'Sealed: only an admin token shows its details.'}),
+        el('td', {class: 'num', text: ago(j.ended_at)}));
+    }
+    const ran = j.started_at && j.ended_at ? j.ended_at - j.started_at : null;
+    return el('tr', {dataset: {job: j.job_id, run: j.run}},
+      el('td', {}, link),
+      el('td', {class: 'num', text: num(j.run)}),
+      el('td', {}, badge(j.state)),
+      el('td', {class: 'num', text: num(j.generation)}),
+      el('td', {class: 'num', text: `${num(j.joined)} on ${num(j.num_nodes)} node${j.num_nodes === 1 ? '' : 's'}`}),
+      el('td', {class: 'num', text: ran === null ? '—' : shortDuration(ran), title: ran === null ? '' : duration(ran)}),
+      el('td', {class: 'num', text: ago(j.ended_at), title: new Date(j.ended_at * 1000).toISOString()}),
+      el('td', {class: 'reason-cell', text: j.reason || '', title: j.reason || ''}));
+  }
+
   // ==========================================================================
   // A job: /jobs/<job_id>
   // ==========================================================================
@@ -385,11 +423,13 @@
     try { jobId = decodeURIComponent(location.pathname.replace(/^\/jobs\//, '').replace(/\/+$/, '')); }
     catch (e) { jobId = ''; }
     const base = `/api/v1/jobs/${encodeURIComponent(jobId)}`;
-    $('crumb-job').textContent = jobId;
+    const run = new URLSearchParams(location.search).get('run');
+    const runQuery = run && /^[0-9]{1,9}$/.test(run) ? `run=${run}&` : '';   // a run that ended (else the live one)
+    $('crumb-job').textContent = runQuery ? `${jobId} · run ${run}` : jobId;
     document.title = `${jobId} · commctx`;
 
     const grid = new WorkerGrid($('grid'), $('legend'), $('selection'), $('tip'));
-    const timeline = new Timeline($('events'), $('older'), $('live'), base);
+    const timeline = new Timeline($('events'), $('older'), $('live'), base, runQuery);
     let loop = null;
     let nodes = [];
     let lastFull = 0, fullCost = 0;   // when every node was last read, and what that took (ms)
@@ -406,7 +446,7 @@
       const full = !big || !lastFull || (changed && since > REFRESH_MS) || since > Math.max(BIG_REFRESH_MS, 20 * fullCost);
       let job;
       try {
-        job = await api(`${base}?node_page_size=${full ? NODE_PAGE : 1}`);
+        job = await api(`${base}?${runQuery}node_page_size=${full ? NODE_PAGE : 1}`);
       } catch (err) {
         return missingJob(err);
       }
@@ -418,6 +458,7 @@
       renderMissing(job);
       renderGroups(job.groups);
       timeline.seed(job.events);
+      if (job.ended_at) return renderEnded(job);   // nothing more will happen to it
       timeline.start();
       if (!full) {
         if (job.num_nodes !== nodes.length) changed = true;   // nodes came or went: all of them soon
@@ -428,7 +469,7 @@
       for (let tok = job.next_node_page_token; tok;) {
         let page;
         try {
-          page = await api(`${base}?node_page_size=${NODE_PAGE}&node_page_token=${encodeURIComponent(tok)}`);
+          page = await api(`${base}?${runQuery}node_page_size=${NODE_PAGE}&node_page_token=${encodeURIComponent(tok)}`);
         } catch (err) {
           return missingJob(err);
         }
@@ -446,6 +487,22 @@
         }, 0));
       }
       return true;
+    }
+
+    function renderEnded(job) {
+      $('grid-panel').hidden = true;
+      $('took-part-panel').hidden = false;
+      const ran = job.started_at ? ` after ${duration(job.ended_at - job.started_at)}` : '';
+      const others = job.other_runs.length ? `; other runs of this id: ${job.other_runs.join(', ')}` : '';
+      $('took-part-note').textContent = `Run ${job.run} ended ${ago(job.ended_at)}${ran}. Its last world's nodes${others}.`;
+      fill($('groups'), el('div', {class: 'groups-empty', text: 'The run ended: its groups went with its workers.'}));
+      fill($('took-part').tBodies[0], ...job.nodes.map((n) => el('tr', {},
+        el('td', {class: 'num', text: n.node_rank === null ? '—' : num(n.node_rank)}),
+        el('td', {class: 'mono', text: n.node_key}),
+        el('td', {class: 'mono', text: (n.addresses || [n.address]).join(', ')}),
+        el('td', {class: 'num', text: num(n.took_part)}))));
+      timeline.setLive('ended');
+      return false;   // no refresh: a run that ended does not change
     }
 
     function missingJob(err) {
@@ -517,8 +574,9 @@
       stat('Workers', [num(j.joined), el('span', {class: 'of', text: ` / ${num(j.world_size)}`})], workersNote,
         j.missing > 0 ? 'bad' : ''),
       stat('Nodes', num(j.num_nodes), perNode ? `${Number.isInteger(perNode) ? perNode : perNode.toFixed(1)} worker${perNode === 1 ? '' : 's'} per node` : ''),
-      stat({formed: 'Formed for', forming: 'Forming for', failed: 'Failed for', ended: 'Ended for'}[j.state] || 'For',
-        duration(j.age_s)),
+      j.ended_at ? stat('Ran for', j.started_at ? duration(j.ended_at - j.started_at) : '—', `ended ${ago(j.ended_at)}`)
+        : stat({formed: 'Formed for', forming: 'Forming for', failed: 'Failed for', ended: 'Ended for'}[j.state] || 'For',
+          duration(j.age_s)),
       stat('Lease TTL', j.lease_ttl_s < 60 ? `${j.lease_ttl_s} s` : duration(j.lease_ttl_s), `renewed every ${duration(j.lease_ttl_s / 3)}`),
       stat('Refused joins', num(j.refused), j.refused ? 'the last one is below' : '', j.refused ? 'warn' : ''),
     );
@@ -582,8 +640,8 @@
   // ---- the event timeline: newest first, live over server-sent events -----
 
   class Timeline {
-    constructor(list, older, live, base) {
-      this.list = list; this.older = older; this.live = live; this.base = base;
+    constructor(list, older, live, base, query = '') {
+      this.list = list; this.older = older; this.live = live; this.base = base; this.query = query;
       this.items = new Map();   // seq -> {event, li}
       this.lastSeq = 0;
       this.oldest = Infinity;
@@ -595,7 +653,7 @@
     }
 
     setLive(state) {
-      const text = {live: 'live', connecting: 'connecting…', retry: 'reconnecting…', ended: 'job gone', idle: ''}[state];
+      const text = {live: 'live', connecting: 'connecting…', retry: 'reconnecting…', ended: 'run ended', idle: ''}[state];
       const dot = {live: 'ok', connecting: 'warn', retry: 'warn', ended: '', idle: ''}[state];
       fill(this.live, text ? el('span', {class: `dot ${dot}`}) : null, text);
     }
@@ -658,7 +716,7 @@
       if (!(before > 1)) return;
       const after = Math.max(0, before - 101);
       try {
-        const page = await api(`${this.base}/events?after=${after}&page_size=100`);
+        const page = await api(`${this.base}/events?${this.query}after=${after}&page_size=100`);
         for (const e of page.events) if (e.seq < before) this.put(e, false);
         if (!page.events.length) this.oldest = 1;   // the older ones are no longer kept
       } catch (err) {
@@ -689,7 +747,7 @@
         let ended = false, cut = false;
         try {
           // after = last - 1: the last one comes again, with its count if it grew meanwhile
-          const res = await fetch(`${this.base}/events/stream?after=${Math.max(0, this.lastSeq - 1)}`,
+          const res = await fetch(`${this.base}/events/stream?${this.query}after=${Math.max(0, this.lastSeq - 1)}`,
             {headers: authHeaders('text/event-stream'), cache: 'no-store', signal: this.abort.signal});
           if (res.status === 401) { this.running = false; if (this.onUnauthorized) this.onUnauthorized(); return; }
           if (!res.ok) {
