@@ -124,7 +124,8 @@ async def test_a_failing_store_refuses_waits_at_once_and_forms_no_world_until_it
     worlds = await asyncio.wait_for(asyncio.gather(wk1, wk2), 5)
     assert {(w.generation, tuple(sorted(w.plan.ranks.values()))) for w in worlds} == {(1, (0, 1))}
     assert [type(e) for e in rig.store_errors] == [StoreError, type(None)]
-    assert [(j.job_id, j.state, j.generation) for j in rig.store.load()] == [("k", "formed", 1)]  # j's leave, retried
+    assert [(j.job_id, j.state, j.generation) for j in rig.store.load()] == [
+        ("j#1", "ended", 1), ("k", "formed", 1)]  # j's leave, retried: its run ended, kept apart
 
 
 async def test_a_fenced_executor_stops_and_ends_every_wait():
@@ -147,7 +148,7 @@ async def test_deadlines_fire_without_anyone_asking():
     await wa
     await eventually(lambda: any(n.event == "removed" for n in rig.notes), timeout_s=5, what="the lease expired")
     assert [n.fields["why"] for n in rig.notes if n.event == "removed"] == ["expired"]
-    assert rig.store.load() == []
+    assert [(j.job_id, j.state, j.members) for j in rig.store.load()] == [("j#1", "failed", ())]  # its run, kept as it ended
     await rig.executor.stop()
 
 

@@ -94,11 +94,12 @@ def test_trainers_and_rollouts_as_ray_actors():
             if r["role"] == "rollout":
                 assert r["received"] == sent[r["node_key"]], r
 
-        # Every actor left: the job is gone from the server.
+        # Every actor left: the run has ended, kept with who took part, and nobody is in it.
         with grpc.insecure_channel(server.address) as ch:
-            with pytest.raises(grpc.RpcError) as e:
-                pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="ray-rl"), timeout=5)
-            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            ended = pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="ray-rl"), timeout=5)
+            assert (ended.state, ended.run, ended.ended_at > 0) == (pb.JobDescription.ENDED, 1, True), ended
+            listed = pb_grpc.RendezvousStub(ch).ListJobs(pb.ListJobsRequest(), timeout=5)
+            assert [j.job_id for j in listed.jobs] == []  # no run under way
     finally:
         server.stop()
 
