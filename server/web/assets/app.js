@@ -963,7 +963,8 @@
       const rows = this.nodes.map((n, i) => {
         const tr = el('tr', {dataset: {node: n.node_key}},
           el('td', {class: 'node'}, el('span', {class: 'node-rank', text: n.node_rank === null ? '—' : `#${n.node_rank}`}),
-            el('span', {class: 'node-key', text: n.node_key}), el('span', {class: 'node-addr', text: n.address})));
+            el('span', {class: 'node-key', text: n.node_key}),
+            el('span', {class: 'node-addr', text: (n.addresses || [n.address]).join(', ')})));
         for (let c = 0; c < this.cols; c++) {
           const w = this.slots[i][c];
           tr.append(el('td', {class: 'slot'}, w ? this.cellEl(w, i, c) : el('div', {class: 'cell empty'})));
@@ -1128,7 +1129,7 @@
       const n = this.nodes[i], w = this.slots[i][c];
       return [
         ['node', n.node_key, ''], ['node rank', n.node_rank === null ? '— (not placed)' : String(n.node_rank), ''],
-        ['address', n.address, ''], ['local rank', w.local_rank === null ? '—' : String(w.local_rank), ''],
+        ['address', (n.addresses || [n.address]).join(', '), ''], ['local rank', w.local_rank === null ? '—' : String(w.local_rank), ''],
         ['global rank', w.rank === null ? '— (not seated)' : String(w.rank), ''],
         ['role', w.role || '(none)', `role-${this.roleIndex(w.role)}`],
         ['lease', leaseText(w), `lease-${leaseClass(w, this.ttl)}`], ['worker id', w.worker_id, ''],
