@@ -100,6 +100,10 @@ SETTINGS = (
     Setting("health_port", _optional_port, "off", "an extra plaintext port serving only grpc.health.v1, e.g. for Kubernetes' gRPC probes; 0 picks a free one"),
     Setting("http_port", _optional_port, "50080", "HTTP port of the dashboard (/), the JSON API (/api/v1) and Prometheus metrics (/metrics); 0 picks a free one; off: none"),
     Setting("metrics_port", _optional_port, "off", "the old name of --http-port (when given, the HTTP server listens there)"),
+    Setting("http_max_connections", _count, "1000", "HTTP connections open at once, all peers together; another is answered 503 and closed"),
+    Setting("http_peer_connections", _count, "32", "HTTP connections one peer address may hold open at once; another is answered 429 and closed (behind a proxy every connection is the proxy's: raise it there)"),
+    Setting("http_idle_timeout_s", _positive, "15", "an HTTP connection that sends no byte of a request this long after it opened, or after its last answer, is closed"),
+    Setting("http_header_timeout_s", _positive, "10", "an HTTP connection whose request line and headers are not complete this long after their first byte is closed (slowloris)"),
     Setting("lease_ttl_s", _positive, "10", "member lease in seconds; clients renew at a third of it"),
     Setting("reconnect_grace_s", _non_negative, "1", "a member whose session ends without a Leave (its process was killed, its connection broke) keeps its seat this long for a new session, then is removed and its world re-forms; at most --lease-ttl-s. A hung process keeps its connection and is found by its lease"),
     Setting("store", _choice("sqlite", "memory", "etcd"), "sqlite", "where state lives: a SQLite database under --state-dir (survives restarts), memory only, or etcd (several replicas, one leader: high availability)"),
@@ -141,6 +145,10 @@ class Config:
     health_port: int | None = None
     http_port: int | None = 50080
     metrics_port: int | None = None
+    http_max_connections: int = 1000
+    http_peer_connections: int = 32
+    http_idle_timeout_s: float = 15.0
+    http_header_timeout_s: float = 10.0
     lease_ttl_s: float = 10.0
     reconnect_grace_s: float = 1.0
     store: str = "sqlite"

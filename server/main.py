@@ -4,26 +4,36 @@ On the first signal the server drains (health NOT_SERVING, new joins refused,
 in-flight calls finish within --grace-s) and exits 0; a second signal exits 1
 at once. A server whose store another server has taken over stops serving and
 exits 1. Settings: see server/config.py or `commctx-server --help`.
+
+SIGHUP re-reads the token file and the TLS files (certificate, key, client CA).
 """
 
 from __future__ import annotations
 
+import os
+
+# gRPC core logs a line for each failed TLS handshake, which anyone who reaches the port can cause at
+# will; it reads this when grpc is first imported (below), so here. An operator's own setting stands.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import errno
 import gc
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import ssl
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import grpc
 import prometheus_client
 
 from commctx.common.addresses import host_port
@@ -40,6 +50,52 @@ if TYPE_CHECKING:
     from .rendezvous.etcd import EtcdConfig
 
 log = logging.getLogger("commctx.server")
+
+
+class LogLimit(logging.Filter):
+    """At most LINES lines of one event (its logger and message, WARNING and
+    above) per WINDOW_S, on every path: a request that fails each time, a
+    stranger's garbage, a flood of wrong secrets cannot fill the disk or slow
+    the loop with log lines. The first line of an event let through after
+    some were held back says how many (`held_back`). INFO and DEBUG lines
+    pass: one per membership event, within the server's limits. The KEPT
+    most recent events are remembered."""
+
+    LINES, WINDOW_S, KEPT = 5, 60.0, 1024
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._clock = clock
+        self._lock = threading.Lock()  # filters run outside the handler's lock, on any thread
+        self._by: collections.OrderedDict[tuple[str, str], list[float]] = collections.OrderedDict()  # since, lines, held
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key, now = (record.name, str(record.msg)[:200]), self._clock()
+        with self._lock:
+            entry = self._by.get(key)
+            if entry is None or now - entry[0] >= self.WINDOW_S:
+                entry = self._by[key] = [now, 0, entry[2] if entry is not None else 0]
+            self._by.move_to_end(key)
+            while len(self._by) > self.KEPT:
+                self._by.popitem(last=False)
+            if entry[1] >= self.LINES:
+                entry[2] += 1
+                return False
+            entry[1] += 1
+            held, entry[2] = int(entry[2]), 0
+        if held:
+            record.fields = {**getattr(record, "fields", {}), "held_back": held}
+        return True
+
+
+def limit_logs() -> LogLimit:
+    """Puts a LogLimit on every handler of the root logger (after configure_logging)."""
+    limit = LogLimit()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(limit)
+    return limit
 
 
 def read_file(path: str, flag: str) -> bytes:
@@ -65,8 +121,8 @@ def read_tls(config: Config, now: float | None = None) -> ServerTls | None:
     """
     if not config.tls_cert:
         return None
-    tls = ServerTls(read_file(config.tls_cert, "--tls-cert"), read_file(config.tls_key, "--tls-key"),
-                    read_file(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
+    tls = ReloadableTls(read_file(config.tls_cert, "--tls-cert"), read_file(config.tls_key, "--tls-key"),
+                        read_file(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(os.path.expanduser(config.tls_cert), os.path.expanduser(config.tls_key))
@@ -112,6 +168,56 @@ def _ssl_reason(exc: Exception) -> str:
     return text or (str(exc.args[-1]) if exc.args else str(exc))
 
 
+class TlsReloads:
+    """The files SIGHUP re-read, for gRPC's next handshake: gRPC asks `fetch`
+    before each (grpc.dynamic_ssl_server_credentials), None meaning "as before"."""
+
+    def __init__(self) -> None:
+        self._next: grpc.ServerCertificateConfiguration | None = None
+
+    def put(self, tls: ServerTls) -> None:
+        self._next = _certificates(tls)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:  # on gRPC's threads
+        ready, self._next = self._next, None
+        return ready
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadableTls(ServerTls):
+    """The main port's TLS, whose files SIGHUP re-reads: connections made after
+    a reload are served with the new certificate and key, and admitted by the
+    new client CA bundle (a client certificate only the old CA signed is
+    refused); connections already open keep theirs until
+    --max-connection-age-s closes them."""
+
+    reloads: TlsReloads = dataclasses.field(default_factory=TlsReloads, compare=False, repr=False)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(_certificates(self), self.reloads.fetch,
+                                                   require_client_authentication=self.client_ca is not None)
+
+
+def _certificates(tls: ServerTls) -> grpc.ServerCertificateConfiguration:
+    return grpc.ssl_server_certificate_configuration([(tls.key, tls.cert_chain)], root_certificates=tls.client_ca)
+
+
+def reload_tls(config: Config, tls: ReloadableTls, server=None) -> None:
+    """SIGHUP: re-reads and checks the TLS files as at start; files that do not
+    serve (unreadable, mismatched, expired, a CA bundle that does not load)
+    change nothing and log `tls_not_reloaded` with the reason."""
+    try:
+        fresh = read_tls(config)
+    except OSError as exc:
+        log.error("tls_not_reloaded", extra={"fields": {"reason": str(exc)}})
+        return
+    assert fresh is not None  # the configuration names the files: they were read at start
+    tls.reloads.put(fresh)
+    if server is not None:  # commctx_tls_cert_expiry_seconds counts down to the new certificate's end
+        server.telemetry._tls_expires_at = time.time() + cert_seconds_left(fresh.cert_chain, config.tls_cert)
+    log.info("tls_reloaded", extra={"fields": {"cert": config.tls_cert, "client_ca": config.tls_client_ca or None}})
+
+
 def reload_tokens(callers: Callers, server=None) -> None:
     """SIGHUP: re-reads the token file (a file that no longer parses changes
     nothing); the calls in flight of tokens it no longer holds end at once."""
@@ -122,6 +228,14 @@ def reload_tokens(callers: Callers, server=None) -> None:
         return
     ended = server.revoke_tokens() if server is not None else 0
     log.info("tokens_reloaded", extra={"fields": {"tokens": len(callers), "calls_ended": ended}})
+
+
+def reload(config: Config, callers: Callers | None, tls: ServerTls | None, server=None) -> None:
+    """SIGHUP: re-reads the token file and the TLS files, each if the server has them."""
+    if callers is not None:
+        reload_tokens(callers, server)
+    if isinstance(tls, ReloadableTls):
+        reload_tls(config, tls, server)
 
 
 def etcd_config(config: Config) -> EtcdConfig:
@@ -214,22 +328,17 @@ def loopback_only(host: str) -> bool:
     return bool(addresses) and all(loopback(a) for a in addresses)
 
 
-def exposure(config: Config, tls: ServerTls | None, callers: Callers | None, port: int,
-             http_port: int | None) -> tuple[bool, list[str]]:
+def exposure(config: Config, tls: ServerTls | None, callers: Callers | None, port: int) -> tuple[bool, list[str]]:
     """Whether the server is open to the network without authentication, and
     the warnings to give at start (stderr) and on the dashboard: none on
     loopback; serving beyond it, one when calls need neither a token
-    (--auth-tokens) nor a client certificate (--tls-client-ca), else one when
-    the HTTP API, which client certificates do not guard, needs no token."""
+    (--auth-tokens) nor a client certificate (--tls-client-ca). (With client
+    certificates and no tokens the HTTP port's JSON API is closed: server/web.)"""
     if loopback_only(config.host):
         return False, []
     if callers is None and (tls is None or tls.client_ca is None):
         return True, [f"WARNING: serving on {host_port(config.host, port)} to the network without authentication: "
                       f"anyone who reaches it can join, read and close jobs; set --auth-tokens or --tls-client-ca"]
-    if callers is None and http_port is not None:
-        return False, [f"WARNING: the HTTP API on {host_port(config.host, http_port)} shows every job that is not sealed "
-                       f"to anyone who reaches it (mutual TLS guards the gRPC port only); set --auth-tokens (its /api "
-                       f"then needs an admin token) or --http-port off"]
     return False, []
 
 
@@ -276,6 +385,12 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         limits=Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)}),  # same names as the settings
         replica=replica,
     )
+    web = getattr(server, "_web", None)  # the HTTP port: set before the loop serves a request on it
+    if web is not None:
+        web.connections.max_connections = config.http_max_connections
+        web.connections.peer_connections = config.http_peer_connections
+        web.connections.idle_s, web.connections.header_s = config.http_idle_timeout_s, config.http_header_timeout_s
+        web.client_certs = tls is not None and tls.client_ca is not None  # then its JSON API needs a token, or is closed
     security = ("mutual TLS" if tls.client_ca else "TLS") if tls is not None else "plaintext"
     # The address last on the line, as tools read it (e.g. line.rsplit(":", 1)).
     print(f"commctx-server ({security}, tokens {'on' if callers is not None else 'off'}) listening on "
@@ -288,18 +403,17 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         print(f"commctx-server http on http://{host_port(config.host, server.http_port)}/ "
               f"(the dashboard; /metrics; /api/v1/jobs)", flush=True)
     print(f"commctx-server store: {store_line(config, server)}", flush=True)  # last: tools read the lines above by position
-    exposed, warnings = exposure(config, tls, callers, server.port, server.http_port)
+    exposed, warnings = exposure(config, tls, callers, server.port)
     for line in warnings:
         warn_loudly(line, config.log_format)
-    web = getattr(server, "_web", None)  # the dashboard shows them too (a banner; /api/v1/server)
-    if web is not None:
+    if web is not None:  # the dashboard shows them too (a banner; /api/v1/server)
         web.open_to_network, web.warnings = exposed, tuple(warnings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if callers is not None:
-        loop.add_signal_handler(signal.SIGHUP, reload_tokens, callers, server)
+    if callers is not None or isinstance(tls, ReloadableTls):
+        loop.add_signal_handler(signal.SIGHUP, reload, config, callers, tls, server)
     signalled = asyncio.ensure_future(stop.wait())
     # An HA replica fenced by another goes back to campaigning; a single server stops.
     deposed = asyncio.ensure_future(server.deposed.wait() if replica is None else asyncio.Event().wait())
@@ -320,6 +434,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
 def main(argv: Sequence[str] | None = None) -> int:
     config = from_env(argv)
     configure_logging(config.log_level, config.log_format)
+    limit_logs()
     prometheus_client.disable_created_metrics()  # no *_created series beside each counter
     gc.freeze()  # what start-up made lives as long as the process: never scan it
     try:

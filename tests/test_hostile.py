@@ -28,6 +28,9 @@ that this list is the whole threat model's checklist:
 | short job secrets; guessing one at 1,600 tries a second | test_tenants.py |
 | a frozen leader that thaws answers from stale state | test_ha.py::test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_state |
 | a job's history flooded by one refusal; a slow reader of WatchEvents or the event stream | test_machine.py::test_a_refusal_is_recorded_and_a_storm_of_it_counted; test_events.py |
+| one peer holds every HTTP connection (idle, or a slowloris), or opens event streams beyond its share | test_http_fair.py |
+| a log flood: a POST to the HTTP port was a 500 and two tracebacks; every refused TLS handshake a line | test_http_fair.py |
+| the HTTP API shows jobs where client certificates guard gRPC; a swapped client CA's old certificates | test_http_fair.py |
 """
 
 from __future__ import annotations

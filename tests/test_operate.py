@@ -366,7 +366,8 @@ def test_by_default_every_port_listens_on_loopback_only():
         other = non_loopback_ipv4()
         if other is not None:  # this machine's own network address reaches none of them
             assert [reaches(other, p) for p in (server.port, health_port, http_port)] == [False, False, False]
-        assert server_info(server) == {"auth": False, "leading": True, "leader": None, "open_to_network": False, "warnings": []}
+        assert server_info(server) == {"auth": False, "leading": True, "leader": None, "open_to_network": False, "warnings": [],
+                                       "retain_ended_s": 300.0}
         assert "WARNING" not in server.log()
     finally:
         server.stop()
@@ -396,7 +397,8 @@ def test_with_tokens_beyond_loopback_there_is_no_warning(tmp_path):
     server = cli_server("--host", "0.0.0.0", "--auth-tokens", str(tokens))
     try:
         assert "tokens on" in server.banner
-        assert server_info(server) == {"auth": True, "leading": True, "leader": None, "open_to_network": False, "warnings": []}
+        assert server_info(server) == {"auth": True, "leading": True, "leader": None, "open_to_network": False, "warnings": [],
+                                       "retain_ended_s": 300.0}
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:  # up and serving: its start-up is over
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert "WARNING" not in server.log()
@@ -414,14 +416,12 @@ def test_what_counts_as_loopback_and_which_warning_applies(capsys):
     assert from_env([], {}).host == "127.0.0.1"
     assert from_env([], {"COMMCTX_HOST": "0.0.0.0"}).host == "0.0.0.0"
     anywhere = from_env(["--host", "0.0.0.0"], {})
-    assert exposure(from_env([], {}), None, None, 50051, 50080) == (False, [])
-    assert exposure(anywhere, None, None, 50051, 50080) == (True, [UNAUTHENTICATED.format(port=50051)])
-    assert exposure(anywhere, ServerTls(b"c", b"k"), None, 50051, 50080)[0] is True  # TLS without client certificates
-    mutual = ServerTls(b"c", b"k", b"ca")
-    opened, (line,) = exposure(anywhere, mutual, None, 50051, 50080)  # client certificates guard gRPC, not HTTP
-    assert not opened and line.startswith("WARNING: the HTTP API on 0.0.0.0:50080 shows every job that is not sealed")
-    assert exposure(anywhere, mutual, None, 50051, None) == (False, [])
-    assert exposure(anywhere, None, object(), 50051, 50080) == (False, [])  # tokens: /api needs an admin one
+    assert exposure(from_env([], {}), None, None, 50051) == (False, [])
+    assert exposure(anywhere, None, None, 50051) == (True, [UNAUTHENTICATED.format(port=50051)])
+    assert exposure(anywhere, ServerTls(b"c", b"k"), None, 50051)[0] is True  # TLS without client certificates
+    # Client certificates guard gRPC, and close the HTTP port's JSON API (tests/test_http_fair.py): nothing to warn of.
+    assert exposure(anywhere, ServerTls(b"c", b"k", b"ca"), None, 50051) == (False, [])
+    assert exposure(anywhere, None, object(), 50051) == (False, [])  # tokens: /api needs an admin one
     warn_loudly("WARNING: x", "json")
     record = json.loads(capsys.readouterr().err)
     assert (record["level"], record["event"], record["warning"]) == ("WARNING", "serving_without_authentication", "WARNING: x")

@@ -5,8 +5,9 @@ bearer token (with --auth-tokens), else the identity of a client certificate
 (mutual TLS), else the peer's IP address. Each caller may hold at most
 `caller_share` of each server-wide limit (--caller-share, default 1/4): jobs
 it created (--max-jobs), Joins waiting (--max-members) and open streams
-(Session and WatchEvents, --max-streams). One caller filling its share leaves
-three quarters of every limit to the others. An admin token is exempt.
+(Session and WatchEvents, and the HTTP port's event streams: --max-streams).
+One caller filling its share leaves three quarters of every limit to the
+others. An admin token is exempt.
 
 Accounting is O(1) per call: a counter per caller and kind, taken when the
 call (or job) begins and given back when it ends.

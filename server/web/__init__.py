@@ -21,9 +21,21 @@ and its page nothing, to anyone without an admin token (so, without
 --auth-tokens, to everyone). The pages and /metrics hold no job data beyond
 the counts in metrics, and need no token.
 
-Connections: at most MAX_CONNECTIONS at once (more are closed as they come),
-and one that has sent nothing for IDLE_S is closed; an event stream that falls
-Watchers.QUEUE events behind its reader is ended.
+With --tls-client-ca and no --auth-tokens, the JSON API of jobs is closed
+(403): client certificates guard the gRPC port, and plain HTTP cannot check
+them; /metrics, /api/v1/server and the pages (no job data) stay open.
+
+The port is shared fairly (docs/guides/security.md, "The HTTP port"): caps
+on connections, all peers' and one peer's, and timeouts for idle and slow
+ones (connections.py: --http-max-connections, --http-peer-connections,
+--http-idle-timeout-s, --http-header-timeout-s, which commctx-server sets on
+`WebServer.connections`). An event stream counts against its caller's share of
+--max-streams, as gRPC's WatchEvents does (429 beyond it); one that falls
+Watchers.QUEUE events behind its reader is ended. Every method and path
+answers JSON: 405 with Allow, 404. Nothing is logged per request above DEBUG
+(a client's malformed request included); an unexpected error is one line
+without a traceback, which the server's log limit (server/main.py LogLimit)
+holds to a few a minute.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import json
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -39,13 +52,14 @@ from aiohttp import web
 
 from commctx.common.planning import expand
 
-from ..errors import NotFound, Refusal, Sealed
+from ..errors import LimitExceeded, NotFound, Refusal, Sealed
 from ..rendezvous.model import JobEvent, JobView
 from ..rendezvous.params import check_job_id
-from ..rendezvous.shares import SERVER, TOKEN, Caller
+from ..rendezvous.shares import TOKEN, Caller
 from ..rendezvous.views import MAX_NODE_PAGE_SIZE, MAX_PAGE_SIZE, NODE_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.watching import JOB_GONE, TooSlow
 from ..rpc.auth import ADMIN, Callers
+from .connections import AiohttpLog, Connections, peer_ip, short
 
 if TYPE_CHECKING:
     from ..rendezvous.machine import Rendezvous
@@ -53,14 +67,19 @@ if TYPE_CHECKING:
 
 GROUP_EXAMPLES = 8  # groups listed per mode (the rest counted)
 ASSETS = {"app.js": "application/javascript", "style.css": "text/css"}
+log = logging.getLogger("commctx.server")
 
 
 class WebServer:
     """The HTTP server of a RendezvousServer. `start()`, then `stop()` (idempotent)."""
 
-    MAX_CONNECTIONS = 1000
-    IDLE_S = 30.0
-    HEARTBEAT_S = 15.0  # an event stream's keep-alive comment, well inside IDLE_S and proxies' timeouts
+    # The defaults of --http-max-connections, --http-peer-connections, --http-idle-timeout-s and
+    # --http-header-timeout-s (server/config.py), which commctx-server sets on `connections`.
+    MAX_CONNECTIONS = 1000  # all peers together
+    PEER_CONNECTIONS = 32  # one peer address: well below MAX_CONNECTIONS, so one peer never holds the port
+    IDLE_S = 15.0  # no byte of a request this long after opening or after the last answer: closed
+    HEADER_S = 10.0  # a request's line and headers complete this long after their first byte, else closed
+    HEARTBEAT_S = 15.0  # an event stream's keep-alive comment, inside proxies' idle timeouts
 
     def __init__(self, server: RendezvousServer, registry: prometheus_client.CollectorRegistry, callers: Callers | None) -> None:
         self._server = server
@@ -72,6 +91,8 @@ class WebServer:
         assets = importlib.resources.files(__package__) / "assets"
         self._pages = {name: (assets / name).read_bytes() for name in ("index.html", "job.html", *ASSETS)}
         self.port = 0
+        self.connections = Connections(registry, self.MAX_CONNECTIONS, self.PEER_CONNECTIONS, self.IDLE_S, self.HEADER_S)
+        self.client_certs = False  # set by commctx-server: the gRPC port requires client certificates
         # Set by commctx-server (server/main.py `exposure`): it serves beyond loopback and
         # calls need no credential; the start-up warnings, which the pages show as a banner.
         self.open_to_network = False
@@ -95,15 +116,14 @@ class WebServer:
         app.router.add_get("/api/v1/jobs/{job_id}", self._job)
         app.router.add_get("/api/v1/jobs/{job_id}/events", self._events)
         app.router.add_get("/api/v1/jobs/{job_id}/events/stream", self._stream)
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.IDLE_S, handle_signals=False)
+        # Idle and slow connections are closed by self.connections' timers; aiohttp's own keep-alive is a backstop.
+        # A handler is cancelled when its connection is lost: an event stream gives its share back at once.
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=3600, handle_signals=False,
+                                     handler_cancellation=True, logger=AiohttpLog())
         await self._runner.setup()
-        http = self._runner.server
         loop = asyncio.get_running_loop()
-
-        def protocol() -> asyncio.BaseProtocol:  # aiohttp closes a connection idle for IDLE_S, from its start
-            return _Refused() if len(http.connections) >= self.MAX_CONNECTIONS else http()
-
-        self._listener = await loop.create_server(protocol, host or None, port, reuse_address=True)
+        self._listener = await loop.create_server(self.connections.protocol(self._runner.server), host or None, port,
+                                                  reuse_address=True)
         self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
 
@@ -119,12 +139,29 @@ class WebServer:
 
     @web.middleware
     async def _headers(self, request: web.Request, handler) -> web.StreamResponse:
+        transport = request.transport
+        self.connections.handling(transport, True)
+        try:
+            return await self._answer(request, handler)
+        finally:
+            self.connections.handling(transport, False)
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             response = await handler(request)
         except web.HTTPException as exc:
             response = exc
-            if exc.status >= 400 and exc.content_type != "application/json":  # the router's own (no such path): JSON too
+            if isinstance(exc, web.HTTPMethodNotAllowed):  # the router's: a known path, another method
+                allowed = sorted(exc.allowed_methods)
+                response = web.HTTPMethodNotAllowed(request.method, allowed, content_type="application/json", text=json.dumps(
+                    {"error": f"{request.method[:16]} is not allowed on {request.path[:200]}: {', '.join(allowed)} only"}))
+            elif exc.status >= 400 and exc.content_type != "application/json":  # the router's own (no such path): JSON too
                 response = _error(type(exc), f"{exc.reason}: {request.path[:200]}")
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:  # a bug: one line (no traceback), held to a few a minute by the server's log limit
+            log.error("http_internal_error", extra={"fields": {"path": request.path[:200], "error": short(exc)}})
+            response = _error(web.HTTPInternalServerError, f"internal error: {type(exc).__name__}")
         # Nothing served here runs or loads anything but the package's own script and style.
         response.headers.setdefault("Content-Security-Policy",
                                     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -160,8 +197,13 @@ class WebServer:
     # -- the API -------------------------------------------------------------------------
 
     def _admin(self, request: web.Request) -> bool:
-        """Whether the caller holds an admin token; with --auth-tokens, 401 unless it does."""
+        """Whether the caller holds an admin token; with --auth-tokens, 401 unless it does; with client
+        certificates on the gRPC port and no tokens, 403 (plain HTTP cannot check certificates)."""
         if self._callers is None:
+            if self.client_certs:
+                raise _error(web.HTTPForbidden, "this server requires client certificates (--tls-client-ca), which its "
+                                                "plain-HTTP port cannot check: the JSON API of jobs is closed here; with "
+                                                "--auth-tokens as well it opens to admin tokens. /metrics stays open")
             return False
         if self._callers.role([("authorization", request.headers.get("Authorization", ""))]) == ADMIN:
             return True
@@ -169,11 +211,13 @@ class WebServer:
                                            "with a token its --auth-tokens file marks admin")
 
     def _caller(self, request: web.Request) -> Caller:
-        """The call's token as a caller (its calls end when it is revoked); no tokens: the server's own."""
+        """Who a request comes from, counted as gRPC counts its callers (rpc/auth.py caller_of): its token
+        (its calls end when it is revoked; an admin one is exempt from shares), else its peer's address."""
         if self._callers is None:
-            return SERVER
-        digest, _ = self._callers.lookup([("authorization", request.headers.get("Authorization", ""))])
-        return Caller(TOKEN + digest.hex(), "this token", True)
+            ip = peer_ip(request.transport.get_extra_info("peername") if request.transport else request.remote)
+            return Caller("peer:" + ip, f"peer {ip[:64]}")
+        digest, role = self._callers.lookup([("authorization", request.headers.get("Authorization", ""))])
+        return Caller(TOKEN + digest.hex(), "this token", role == ADMIN)
 
     def _machine(self) -> Rendezvous:
         term = self._server.term
@@ -268,9 +312,13 @@ class WebServer:
                            for e in machine.events(view.job_id, after, run=view.run))
             return web.Response(body=(kept + "event: end\ndata: {}\n\n").encode(),
                                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"})
+        caller = self._caller(request)
+        try:  # the caller's share of --max-streams, as its gRPC streams count
+            machine.shares.open_stream(caller, "open streams")
+        except LimitExceeded as exc:
+            raise _error(web.HTTPTooManyRequests, str(exc)) from None
         watchers = self._server.executor.watchers
         watch = watchers.open(view.job_id, machine.events(view.job_id, after))  # no await in between
-        caller = self._caller(request)
         machine.shares.live.add(caller, watch.end)  # a revoked token's stream ends
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                                "X-Accel-Buffering": "no"})
@@ -297,15 +345,9 @@ class WebServer:
         finally:
             watchers.close(watch)
             machine.shares.live.discard(caller, watch.end)
+            machine.shares.close_stream(caller)
             self._streams.discard(task)
         return response
-
-
-class _Refused(asyncio.Protocol):
-    """A connection beyond MAX_CONNECTIONS: closed as it comes."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
