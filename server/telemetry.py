@@ -22,7 +22,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from .rendezvous.model import Note, Stats
+from .rendezvous.model import Note
+from .rendezvous.reports import Stats
 
 log = logging.getLogger("commctx.server")
 

@@ -22,7 +22,8 @@ from commctx.common.planning import elide
 
 from ..errors import NotFound
 from .actions import Actions
-from .model import EventKind, Job, JobEvent, JobState, JobView, NodeView
+from .model import EventKind, Job, JobEvent, JobState
+from .reports import JobView, NodeView
 from .shares import SERVER, Caller
 from .store import DeleteJob, JobRecord, PutEvent, PutJob, TrimEvents
 

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 from commctx.common.planning import WorldPlan, elide
 
 from ..errors import NotFound, Sealed
-from .model import Job, JobState, JobView, Lease, NewWorld, NodeView, Stats, WorkerView, worker_id
+from .model import Job, JobState, Lease, NewWorld, worker_id
 from .params import job_secret_matches
+from .reports import JobView, NodeView, Stats, WorkerView
 from .shares import SERVER, Caller
 
 log = logging.getLogger("commctx.server")

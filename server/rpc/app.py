@@ -26,7 +26,8 @@ from ..errors import NotLeader, Unavailable, UnknownToken
 from ..gc_pacer import GcPacer
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
-from ..rendezvous.model import Limits, Stats
+from ..rendezvous.model import Limits
+from ..rendezvous.reports import Stats
 from ..rendezvous.store import Fenced, NullStore, Store
 from ..telemetry import Telemetry, event
 from . import codec

@@ -38,8 +38,9 @@ from ..errors import (
     UnknownToken,
     WaitTimeout,
 )
-from ..rendezvous.model import Gone, JobEvent, JobState, JobView, NewWorld, Reforming, Seat, SessionEvent, worker_id
+from ..rendezvous.model import Gone, JobEvent, JobState, NewWorld, Reforming, Seat, SessionEvent, worker_id
 from ..rendezvous.params import JoinParams, Slot
+from ..rendezvous.reports import JobView
 from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.waiting import Placed
 from . import wire

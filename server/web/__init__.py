@@ -53,8 +53,9 @@ from aiohttp import web
 from commctx.common.planning import expand
 
 from ..errors import LimitExceeded, NotFound, Refusal, Sealed
-from ..rendezvous.model import JobEvent, JobView
+from ..rendezvous.model import JobEvent
 from ..rendezvous.params import check_job_id
+from ..rendezvous.reports import JobView
 from ..rendezvous.shares import TOKEN, Caller
 from ..rendezvous.views import MAX_NODE_PAGE_SIZE, MAX_PAGE_SIZE, NODE_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.watching import JOB_GONE, TooSlow
