@@ -4,6 +4,8 @@ server are in test_hostile.py and test_tenants.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobState
 from commctx.server.rendezvous.shares import Caller
@@ -56,3 +58,41 @@ def test_no_storm_of_refusals_evicts_a_jobs_life():
     assert rdzv.describe("job").refused == 10_000
     assert not [w for w in writes if isinstance(w, PutEvent)]  # a sample in memory: the store keeps the job's life
     assert rdzv.last_event("job").kind == "refused"
+
+
+def test_strangers_standbys_are_capped_and_a_teams_replacement_is_seated_first():
+    """The audit's run: two seated nodes of a team, strangers parking standbys.
+    A stranger parks at most half as many standbys as there are seats, and
+    none once the job holds as many standbys as seats; the team's own
+    replacement is admitted all the same, and takes the lost node's place
+    ahead of the strangers' earlier standby."""
+    from commctx.server.errors import Full
+
+    clock = FakeClock()
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    spec = node_spec(4, 4)
+    team = [join_as(rdzv, node_params(spec, n, 2), TEAM) for n in "abcd"]
+    sinks = sessions(rdzv, team, job="run")
+    join_as(rdzv, node_params(spec, "s1", 2), STRANGER)
+    join_as(rdzv, node_params(spec, "s2", 2), STRANGER)
+    with pytest.raises(Full, match=r"2 of them peer 10\.9\.9\.9's, which holds no seat in it: at most 2"):
+        rdzv.join(node_params(spec, "s3", 2), STRANGER)
+    other = Caller("peer:10.8.8.8", "peer 10.8.8.8")
+    join_as(rdzv, node_params(spec, "o1", 2), other)
+    join_as(rdzv, node_params(spec, "o2", 2), other)  # now as many standbys as seats: no more strangers
+    with pytest.raises(Full, match="holds no seat in it"):
+        rdzv.join(node_params(spec, "x1", 2), Caller("peer:10.7.7.7", "peer 10.7.7.7"))
+    spare = join_as(rdzv, node_params(spec, "t1", 2), TEAM)  # the team's own replacement still gets in
+    clock.now += TTL / 2
+    for m in team[:3]:
+        rdzv.renew("run", m, 1)
+    rdzv.close_session("run", team[3], sinks[team[3]], departed=True)  # the team's node d dies
+    clock.now += 1.0
+    actions, _ = rdzv.expire_due()
+    (world,) = [o for _, o in actions.wakes if type(o).__name__ == "NewWorld"]
+    assert sorted(n.node_key for n in world.plan.nodes) == ["a", "b", "c", "t1"] and spare in dict(world.plan.ranks)
+
+
+def join_as(rdzv: Rendezvous, p, caller: Caller) -> str:
+    joined, _, _ = rdzv.join(p, caller)
+    return joined.member_id

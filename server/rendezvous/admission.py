@@ -47,6 +47,8 @@ class Admission:
                 if p.member_id and p.member_id in job.members:
                     return self._reattach(job, p)
                 self._check_admissible(job, p)
+                if job.spec.nodes and not caller.exempt:
+                    self._check_standby(job, p, caller)
                 node = job.nodes.get(p.node_key)
                 if node is not None:
                     self._check_node(job, node, p)
@@ -77,6 +79,7 @@ class Admission:
         member_id = p.member_id or self._new_member_id()
         self._seq += 1
         member = self._add_member(job, member_id, p, self._seq)
+        member.caller = caller.key
         self._members += 1
         job.last_arrival = now
         actions.writes.append(PutMember(job.job_id, member_record(member_id, member)))
@@ -238,9 +241,9 @@ class Admission:
             raise Conflict(f"job {job.job_id!r} cannot form: {job.reason}")
         if job.state is JobState.ENDED:
             raise Conflict(f"job {job.job_id!r} has ended ({job.reason}); use another job id or wait until its members have left")
-        if job.spec.nodes:  # a job of nodes: beyond its maximum, as many again wait as standbys
-            if job.units >= 2 * job.spec.world_size:
-                raise Full(f"job {job.job_id!r} has all {job.spec.world_size} nodes and as many standbys; node "
+        if job.spec.nodes:  # a job of nodes: beyond its maximum, standbys wait (_check_standby)
+            if job.units >= 3 * job.spec.world_size:
+                raise Full(f"job {job.job_id!r} has all {job.spec.world_size} nodes and twice as many standbys; node "
                               f"{p.node_key!r} cannot join it")
         elif job.workers + p.workers > job.spec.world_size:
             if job.workers >= job.spec.world_size:
@@ -266,6 +269,30 @@ class Admission:
                 f"(node {p.node_key!r}) advertises {p.address}; a job cannot mix loopback and "
                 f"routable addresses, since peers on other hosts cannot reach a loopback address"
             )
+
+    @staticmethod
+    def _check_standby(job: Job, p: JoinParams, caller: Caller) -> None:
+        """A node beyond a job's maximum waits as a standby. A caller that holds
+        seats in the job (its replacements) may park as many standbys as there
+        are seats; any other caller at most half as many (at least one), and
+        only while the job holds fewer than as many standbys as seats: strangers
+        cannot crowd out a team's own replacements (who are also seated first,
+        forming._member_order).
+
+        Raises:
+            Full: naming the caller's standbys and the cap.
+        """
+        seats = job.spec.world_size
+        if job.units < seats:
+            return
+        mine = [m for mid, m in job.members.items() if m.caller == caller.key]
+        seated = any(job.in_world(mid) for mid, m in job.members.items() if m.caller == caller.key)
+        standbys = sum(1 for mid, m in job.members.items() if m.caller == caller.key and not job.in_world(mid))
+        cap = seats if seated else max(1, seats // 2)
+        if standbys >= cap or (not seated and job.units >= 2 * seats):
+            raise Full(f"job {job.job_id!r} has all {seats} nodes and {job.units - seats} standbys, {standbys} of them "
+                       f"{caller.shown}'s, which {'holds seats in it' if seated else 'holds no seat in it'}: at most {cap} "
+                       f"(node {p.node_key!r}; {len(mine)} members of this caller)")
 
     @staticmethod
     def _check_node(job: Job, node: Node, p: JoinParams) -> None:

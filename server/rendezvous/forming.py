@@ -137,14 +137,18 @@ class Forming:
     @classmethod
     def _member_order(cls, job: Job, seats: dict[str, tuple[int, int]] | None = None) -> list[str]:
         """Members in the order the next world takes them: survivors first, in
-        their previous rank order (the seating's), then newcomers in join order."""
+        their previous rank order (the seating's), then newcomers in join order;
+        in a job of nodes, those of callers that hold seats before strangers'."""
         seats = cls._seats(job) if seats is None else seats
         if not seats:
             return list(job.members)
-        if not job.hosts:  # every seated id is a member's (a node membership's first worker's)
-            return [*seats, *(mid for mid in job.members if mid not in seats)]
-        survivors = dict.fromkeys(member_of(wid) for wid in seats)
-        return [*survivors, *(mid for mid in job.members if mid not in survivors)]
+        members = job.members
+        survivors = dict.fromkeys(seats) if not job.hosts else dict.fromkeys(member_of(wid) for wid in seats)
+        newcomers = [mid for mid in members if mid not in survivors]
+        if job.spec.nodes and newcomers:  # a team's own replacement before a stranger's standby
+            teams = {members[mid].caller for mid in survivors if mid in members}
+            newcomers.sort(key=lambda mid: members[mid].caller not in teams)  # stable: join order within each
+        return [*survivors, *newcomers]
 
     @classmethod
     def _candidates(cls, job: Job, n: int) -> list:

@@ -218,7 +218,7 @@ class Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
     __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease", "lease_deadline", "queued",
-                 "generation", "session", "secret", "workers", "slots")
+                 "generation", "session", "secret", "workers", "slots", "caller")
 
     def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
         self.node_key = node.key
@@ -236,6 +236,7 @@ class Member:
         self.secret = p.secret  # digest of its secret ("": none)
         self.workers = p.workers  # >1: a node membership, seated as local ranks 0..workers-1 (worker_id)
         self.slots = p.slots  # a host membership's workers, each seated as "<member id>/<index>"; () otherwise
+        self.caller = ""  # the Caller.key of its Join ("": the server's, or restored: not kept)
 
     def roles(self) -> list[tuple[str, int]]:
         """The workers it holds, as (role, how many)."""
