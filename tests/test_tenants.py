@@ -281,3 +281,37 @@ async def test_guessing_a_jobs_secret_is_throttled_and_logged_once(server, stub,
     assert len(lines) == 1 and SECRET not in str(lines[0].__dict__)
     assert (await stub.Join(join_request("other", 1))).assignment.world_size == 1  # other jobs are untouched
     waiting.cancel()
+
+
+async def test_a_strangers_standby_cannot_close_a_teams_run_nor_crowd_out_its_replacement(shared):
+    """The audit's attack over gRPC: team A's run of 2 nodes is formed; B parks
+    a standby and sends Leave(close=True) from it, with its own member secret.
+    B's standby just leaves and A's run stays formed; B's second standby is
+    refused; A's replacement is admitted all the same."""
+    server, stub = shared
+    spec = pb.JobSpec(nodes=pb.Nodes(min=2, max=2))
+
+    def node(key: str, **kw) -> pb.JoinRequest:
+        return pb.JoinRequest(job_id="team-run", spec=spec, node_key=key, address="127.0.0.1", master_port=9, workers=2,
+                              wait_timeout_ms=30_000, **kw)
+
+    def nodes() -> list[str]:
+        return sorted(n.node_key for n in server.machine.describe("team-run").nodes)
+
+    first = asyncio.ensure_future(stub.Join(node("a0"), metadata=bearer(A)))
+    await stub.Join(node("a1"), metadata=bearer(A))
+    await first
+    mid, secret = "b0" * 8, "5e" * 16
+    parked = asyncio.ensure_future(stub.Join(node("b0", member_id=mid, member_secret=secret), metadata=bearer(B)))
+    await eventually(lambda: nodes() == ["a0", "a1", "b0"], what="B's standby waits")
+    await stub.Leave(pb.LeaveRequest(job_id="team-run", member_id=mid, member_secret=secret, close=True), metadata=bearer(B))
+    await eventually(lambda: nodes() == ["a0", "a1"], what="B's standby left")
+    assert server.machine.describe("team-run").state.value == "formed"  # not closed
+    again = asyncio.ensure_future(stub.Join(node("b1"), metadata=bearer(B)))
+    await eventually(lambda: nodes() == ["a0", "a1", "b1"], what="B's standby waits again")
+    err = await refused(stub.Join(node("b2"), metadata=bearer(B)))
+    assert err.code() is Code.RESOURCE_EXHAUSTED and "holds no seat in it: at most 1" in err.details()
+    replacement = asyncio.ensure_future(stub.Join(node("a2"), metadata=bearer(A)))  # the team's own: admitted
+    await eventually(lambda: nodes() == ["a0", "a1", "a2", "b1"], what="A's replacement waits")
+    for f in (parked, again, replacement):
+        f.cancel()
