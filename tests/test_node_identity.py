@@ -42,16 +42,17 @@ ctx.destroy()
 
 
 def machine(tmp_path, name: str, hostname: str, machine_id: str, boot_id: str, server: str, address: str) -> subprocess.Popen:
-    """A worker on a "machine" of its own: its hostname, machine id and boot id, and its own runtime directory
-    (two machines never share the Unix socket by which one host's workers share a membership)."""
+    """A worker on a "machine" of its own: its hostname, machine id and boot id, and a /tmp of its own (two
+    machines never share the Unix socket by which one host's workers share a membership)."""
     root = tmp_path / name
     root.mkdir()
     (root / "machine-id").write_text(machine_id + "\n")
     (root / "boot_id").write_text(boot_id + "\n")
-    (root / "run").mkdir(mode=0o700)
     script = (f"hostname {hostname} && mount --bind {root / 'machine-id'} /etc/machine-id && "
-              f"mount --bind {root / 'boot_id'} /proc/sys/kernel/random/boot_id && exec \"$@\"")
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(root / "run"), "COMMCTX_PROGRESS_S": "0"}
+              f"mount --bind {root / 'boot_id'} /proc/sys/kernel/random/boot_id && mount -t tmpfs tmpfs /tmp && "
+              f"exec \"$@\"")
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env["COMMCTX_PROGRESS_S"] = "0"
     return subprocess.Popen(["unshare", "--mount", "--uts", "sh", "-c", script, "sh", sys.executable, "-c", WORKER, server,
                              address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
