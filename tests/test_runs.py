@@ -253,3 +253,25 @@ def test_the_json_api_lists_runs_that_ended_and_describes_each():
             waiting.cancel()
     finally:
         server.stop()
+
+
+def test_a_member_of_a_run_that_ended_cannot_enter_the_next_one(rdzv, clock):
+    """A worker of run 1 that retries its Join with its member id (a partition,
+    a restart) is refused (STALE), also across a restart of the server; a
+    Join without the id is a newcomer of run 2."""
+    from commctx.server.errors import Stale
+
+    spec = JobSpec.build(1)
+    old = "ab" * 8
+    join(rdzv, params(spec, "n0", member_id=old))
+    store = MemoryStore()
+    epoch = store.take_over()
+    store.commit(rdzv.leave("job", old).writes, epoch)
+    for machine in (rdzv, Rendezvous(lease_ttl_s=TTL, clock=FakeClock(), wall=clock)):
+        if machine is not rdzv:
+            machine.restore(store.load(), grace_s=TTL)
+        with pytest.raises(Stale, match=f"member {old} belongs to run 1 of job 'job', which ended: a worker of a run that "
+                                        "ended cannot enter a later one"):
+            machine.join(params(spec, "n0", member_id=old))
+        joined, _, _ = machine.join(params(spec, "n0"))
+        assert machine.describe("job").run == 2 and joined.member_id != old

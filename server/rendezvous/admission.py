@@ -10,7 +10,7 @@ import hmac
 import logging
 import math
 
-from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refusal, Sealed
+from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refusal, Sealed, Stale
 from .actions import Actions
 from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note, worker_id
 from .params import JoinParams, Slot
@@ -46,6 +46,7 @@ class Admission:
                 self._check_seal(job, p, caller)  # first: a stranger learns nothing about a sealed job
                 if p.member_id and p.member_id in job.members:
                     return self._reattach(job, p)
+                self._check_not_ended(p)
                 self._check_admissible(job, p)
                 if job.spec.nodes and not caller.exempt:
                     self._check_standby(job, p, caller)
@@ -62,6 +63,7 @@ class Admission:
                 self._refused(job, p, exc)
                 raise
         else:
+            self._check_not_ended(p)
             self._check_room(p)
         if job is None and len(self._jobs) >= self.limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
@@ -96,6 +98,14 @@ class Admission:
             self._maybe_form(job, actions)
         self._arm_last_call(job)
         return Joined(job.job_id, member_id, self.lease_ttl_s, job.workers), actions, None
+
+    def _check_not_ended(self, p: JoinParams) -> None:
+        """A Join re-attaching to a member of a run that ended does not enter the next run."""
+        kept = self._ended_member(p.job_id, p.member_id) if p.member_id else None
+        if kept is not None:
+            raise Stale(f"member {p.member_id} belongs to run {kept.view.run} of job {p.job_id!r}, which "
+                        f"{kept.view.state.value}: a worker of a run that ended cannot enter a later one; join anew "
+                        f"(without its member id) to take part in the next")
 
     def _check_room(self, p: JoinParams) -> None:
         if self._members >= self.limits.max_members:

@@ -22,7 +22,7 @@ from commctx.common.planning import elide
 
 from ..errors import NotFound
 from .actions import Actions
-from .model import EventKind, Job, JobEvent, JobState
+from .model import EventKind, Job, JobEvent, JobState, member_of
 from .reports import JobView, NodeView
 from .shares import SERVER, Caller
 from .store import DeleteJob, JobRecord, PutEvent, PutJob, TrimEvents
@@ -34,11 +34,19 @@ class Kept(NamedTuple):
     view: JobView  # as it ended: who took part (its last world's nodes), state and reason
     until: float  # the machine's clock when it is forgotten
     events: tuple[JobEvent, ...]
+    members: frozenset[str] = frozenset()  # the member ids of its last world: none of them enters a later run
 
 
 def run_key(job_id: str, run: int) -> str:
     """The store key of an ended run."""
     return f"{job_id}#{run}"
+
+
+def seated(job: Job) -> frozenset[str]:
+    """The member ids seated in the job's last world (a host membership's workers by their member's id)."""
+    if job.plan is None:
+        return frozenset()
+    return frozenset(member_of(wid) for node in job.plan.seating.nodes for wid in node.members)
 
 
 def ended_view(job: Job, ended_at: float) -> JobView:
@@ -111,15 +119,16 @@ class Recording:
             return
         ended = self._wall()
         view = ended_view(job, ended)
-        self._keep(view, self._clock() + self.limits.retain_ended_s, tuple(job.events), actions)
+        self._keep(view, self._clock() + self.limits.retain_ended_s, tuple(job.events), actions, seated(job))
         key = run_key(job.job_id, job.run)
         record = self._record(job, ended + self.limits.retain_ended_s)
         actions.writes.append(PutJob(record._replace(job_id=key, state=view.state.value, reason=view.reason, ended=ended)))
         actions.writes.extend(PutEvent(key, e) for e in job.events)
 
-    def _keep(self, view: JobView, until: float, events: Iterable[JobEvent], actions: Actions) -> None:
+    def _keep(self, view: JobView, until: float, events: Iterable[JobEvent], actions: Actions,
+              members: frozenset[str] = frozenset()) -> None:
         """Keeps an ended run until `until`, among the last retain_ended_jobs (the oldest go first, from the store too)."""
-        self._ended[(view.job_id, view.run)] = Kept(view, until, tuple(events))
+        self._ended[(view.job_id, view.run)] = Kept(view, until, tuple(events), members)
         runs = self._runs.setdefault(view.job_id, [])
         runs.append(view.run)
         runs.sort()
@@ -149,7 +158,11 @@ class Recording:
         job.job_id, _, run = record.job_id.rpartition("#")
         job.run = int(run) if run.isdigit() else 0
         view = ended_view(job, record.ended)
-        self._keep(view, self._clock() + record.retained_until - wall, record.events, actions)
+        self._keep(view, self._clock() + record.retained_until - wall, record.events, actions, seated(job))
+
+    def _ended_member(self, job_id: str, member_id: str) -> Kept | None:
+        """The kept run of the id whose last world held `member_id`, if any."""
+        return next((k for r in self._runs.get(job_id, ()) if member_id in (k := self._ended[(job_id, r)]).members), None)
 
     def _kept(self, job_id: str, run: int = 0) -> Kept | None:
         """Run `run` of the id if it ended and is kept (0: the latest kept)."""
