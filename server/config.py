@@ -117,6 +117,8 @@ SETTINGS = (
     Setting("max_spec_rules", _count, "1024", "most roles + group rules + cpu twins + expected nodes a JobSpec may list"),
     Setting("max_join_wait_s", _positive, "3600", "longest a Join waits for its world, whatever wait it asks for"),
     Setting("max_streams", _count, "200000", "open Session streams at most; another gets RESOURCE_EXHAUSTED (its client retries)"),
+    Setting("max_world_size", _count, "131072", "workers one job holds at most (its world, its standbys and the Joins waiting in it, a node membership's counted by its workers); a Join that would take a job past it gets RESOURCE_EXHAUSTED, and a spec whose smallest world is larger INVALID_ARGUMENT. 131,072 (2^17, 128 nodes of 1,024) covers a 100,000-GPU job with room for standbys; much more would let one job's world stall the server (a world of 1,048,576 workers held it silent for 18 s before this bound)"),
+    Setting("max_workers_per_caller", _count, "131072", "workers one caller's Joins waiting hold at most, all its jobs together (a node Join counts its workers); another Join gets RESOURCE_EXHAUSTED. The default is one largest world (--max-world-size): one token can bring the biggest job at once, and no caller two; admin tokens are exempt"),
     Setting("retain_ended_jobs", _count, "1000", "runs that ended (finished, failed or closed) kept after their last worker left, with who took part and their events (status --all, the dashboard); the oldest go first"),
     Setting("retain_ended_s", _positive, "300", "how long such a run is kept"),
     Setting("caller_share", _share, "0.25", "the fraction of --max-jobs, --max-members (as Joins waiting) and --max-streams one caller may hold: a token (with --auth-tokens), else a client certificate, else a peer address; admin tokens are exempt"),
@@ -162,6 +164,8 @@ class Config:
     max_spec_rules: int = 1024
     max_join_wait_s: float = 3600.0
     max_streams: int = 200_000
+    max_world_size: int = 131_072
+    max_workers_per_caller: int = 131_072
     retain_ended_jobs: int = 1000
     retain_ended_s: float = 300.0
     max_connection_age_s: float = 3600.0

@@ -13,7 +13,7 @@ import math
 from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refusal, Sealed, Stale
 from .actions import Actions
 from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note, worker_id
-from .params import JoinParams, Slot
+from .params import JoinParams, Slot, check_world_size
 from .shares import JOBS, SERVER, Caller
 from .store import PutJob, PutMember, member_record
 
@@ -64,6 +64,7 @@ class Admission:
                 raise
         else:
             self._check_not_ended(p)
+            check_world_size(p, 0, self.limits.max_world_size)
             self._check_room(p)
         if job is None and len(self._jobs) >= self.limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
@@ -263,6 +264,7 @@ class Admission:
                 )
             raise Full(f"job {job.job_id!r} has {job.workers} of {job.spec.world_size} workers; node {p.node_key!r} "
                           f"cannot add {p.workers} more")
+        check_world_size(p, job.workers, self.limits.max_world_size)
         for role, count in p.roles():
             job.spec.check_declared(job.job_id, role)
             declared = job.spec.role_count(role)

@@ -81,6 +81,10 @@ class Executor:
         self._failing_why = ""
         self._busy = False  # a batch is being carried out
         self._planning: set[asyncio.Task] = set()
+        # One world planned at a time: each planning thread takes the GIL from the
+        # event loop in turn (a Join storm re-planning a 100,000-worker job held
+        # it 150-290 ms with several at once; benchmarks/bounds.py).
+        self._planner = asyncio.Lock()
         self.fenced: Fenced | None = None
         self._closed: Exception | None = None  # what carry_out raises once nothing more is carried out
 
@@ -218,9 +222,13 @@ class Executor:
 
     async def _plan(self, request: PlanRequest) -> None:
         """Plans a big world in a worker thread (the event loop keeps running:
-        the thread gives up the GIL every few milliseconds) and hands the result
-        to the state machine."""
-        plan = await asyncio.to_thread(plan_or_error, request.candidates, request.spec)
+        the thread gives up the GIL every few milliseconds), one at a time, and
+        hands the result to the state machine; a request superseded while it
+        waited for its turn is not planned at all."""
+        async with self._planner:
+            if not self._machine.plan_wanted(request):
+                return
+            plan = await asyncio.to_thread(plan_or_error, request.candidates, request.spec)
         self.submit(self._machine.planned(request, plan))
 
     async def _commit(self, writes: list) -> bool:

@@ -7,21 +7,96 @@ file; the state is the machine's."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from commctx.common.planning import Candidate, JobSpec, PlanError, WorldPlan, elide, plan_world
 
 from .actions import Actions
-from .model import EventKind, Gone, Job, JobState, JobStopped, Lease, NewWorld, Note, PlanRequest, Reforming, member_of
+from .model import (
+    EventKind,
+    Gone,
+    Job,
+    JobState,
+    JobStopped,
+    Lease,
+    NewWorld,
+    Note,
+    PlanRequest,
+    Reforming,
+    member_of,
+    worker_id,
+)
+from .params import Slot
 from .store import PutJob, PutMember, member_record
 
 log = logging.getLogger("commctx.server")
 
 
-def plan_or_error(candidates: list, spec: JobSpec) -> WorldPlan | PlanError:
-    """`plan_world`, any failure as a PlanError: a planner bug fails the one job
-    it meets, saying so, instead of a Join half done or a server error."""
+class NodeWorkers(NamedTuple):
+    """A node membership's workers as the planner sees them, not yet made: a
+    1,024-worker node is one object in the transition, and its candidates are
+    made where the world is planned (off the event loop for a big world)."""
+
+    member_id: str
+    node_key: str
+    address: str
+    port: int
+    node_rank: int | None
+    role: str
+    workers: int
+    seat: int | None  # its node rank in the world being replaced
+
+    def candidates(self) -> list[Candidate]:
+        """Its workers, local ranks 0..workers-1 (model.Member.candidates)."""
+        return [Candidate(worker_id(self.member_id, i), self.node_key, self.address, self.port, i, self.node_rank, self.role,
+                          self.seat) for i in range(self.workers)]
+
+
+class HostWorkers(NamedTuple):
+    """A host membership's workers as the planner sees them, not yet made (as NodeWorkers)."""
+
+    member_id: str
+    node_key: str
+    address: str
+    port: int
+    node_rank: int | None
+    slots: tuple[Slot, ...]
+    seat: int | None  # its node rank in the world being replaced
+    before: tuple[str, ...]  # the ids seated on that node then, by local rank (() if none)
+
+    def candidates(self) -> list[Candidate]:
+        """Its workers, each with its own seat before (model.Member.candidates)."""
+        where = {wid: i for i, wid in enumerate(self.before)}
+        out = []
+        for s in self.slots:
+            wid = worker_id(self.member_id, s.index)
+            local = where.get(wid)
+            out.append(Candidate(wid, self.node_key, self.address, self.port, s.local_rank, self.node_rank, s.role,
+                                 None if local is None else self.seat, local))
+        return out
+
+
+Unit = Candidate | NodeWorkers | HostWorkers  # a world's candidates, a node or host membership's as one
+
+
+def expand(candidates: Iterable[Unit]) -> list[Candidate]:
+    """The candidates of a world, each node or host membership's workers made."""
+    out: list[Candidate] = []
+    for c in candidates:
+        if type(c) is Candidate:
+            out.append(c)
+        else:
+            out += c.candidates()
+    return out
+
+
+def plan_or_error(candidates: Iterable[Unit], spec: JobSpec) -> WorldPlan | PlanError:
+    """`plan_world` of the candidates (node and host memberships' made here), any failure
+    as a PlanError: a planner bug fails the one job it meets, saying so,
+    instead of a Join half done or a server error."""
     try:
-        return plan_world(candidates, spec)
+        return plan_world(expand(candidates), spec)
     except PlanError as exc:
         return exc
     except Exception as exc:  # noqa: BLE001 - a bug; logged with its traceback for the report
@@ -83,7 +158,7 @@ class Forming:
         else:
             n = spec.largest_world(n)
         if n is not None and job.workers != len(job.members):  # node memberships: whole ones only
-            n = len(self._candidates(job, n))
+            n = self._candidates(job, n, made=False)[1]
             if n < spec.min_world or not spec.admissible(n):
                 return None  # they fit no admissible size: wait for others to come or go
         return n
@@ -115,23 +190,27 @@ class Forming:
         if job.spec.nodes:
             return job.plan.num_nodes < job.spec.world_size and job.units > job.plan.num_nodes
         size = job.spec.largest_world(min(job.workers, job.spec.world_size))
-        return size is not None and len(self._candidates(job, size)) > job.placed
+        return size is not None and self._candidates(job, size, made=False)[1] > job.placed
 
     @staticmethod
     def _seats(job: Job) -> dict[str, tuple[int, int]]:
         """The (node rank, local rank) in the world being replaced of each
-        member still here, and of each host membership's worker still held
-        (by its worker id)."""
+        member still here, in rank order; a node or host membership's, which
+        holds its node alone, is its node's (node rank, 0): its workers' seats
+        are made with their candidates (NodeWorkers, HostWorkers). Linear in
+        the members and nodes, not in the workers."""
         previous, members = job.plan, job.members
         seats: dict[str, tuple[int, int]] = {}
         if previous is not None:
-            hosts = job.hosts or {}
             for node_rank, node in enumerate(previous.seating.nodes):
+                first = node.members[0]
+                m = members.get(member_of(first))
+                if m is not None and (m.slots or (m.workers > 1 and first in members)):
+                    seats[member_of(first)] = (node_rank, 0)  # its other workers are not members
+                    continue
                 for local_rank, wid in enumerate(node.members):
                     if wid in members:
                         seats[wid] = (node_rank, local_rank)
-                    elif hosts and (host := members.get(member_of(wid))) is not None and host.slots:
-                        seats[wid] = (node_rank, local_rank)  # whether the worker is still held: its member's slots say
         return seats
 
     @classmethod
@@ -143,7 +222,7 @@ class Forming:
         if not seats:
             return list(job.members)
         members = job.members
-        survivors = dict.fromkeys(seats) if not job.hosts else dict.fromkeys(member_of(wid) for wid in seats)
+        survivors = dict.fromkeys(seats)  # member ids (_seats), host memberships' too
         newcomers = [mid for mid in members if mid not in survivors]
         if job.spec.nodes and newcomers:  # a team's own replacement before a stranger's standby
             teams = {members[mid].caller for mid in survivors if mid in members}
@@ -151,24 +230,39 @@ class Forming:
         return [*survivors, *newcomers]
 
     @classmethod
-    def _candidates(cls, job: Job, n: int) -> list:
-        """The next world's workers, in _member_order; whole members, so at most `n`."""
+    def _candidates(cls, job: Job, n: int, made: bool = True) -> tuple[list[Unit], int]:
+        """The next world's workers, in _member_order, and how many; whole members,
+        so at most `n`; a node or host membership's as one unit (expand makes its
+        workers). Not `made`: the count alone (the list is empty)."""
         members = job.members
         seats = cls._seats(job)
-        candidates: list[Candidate] = []
+        nodes = job.plan.seating.nodes if job.plan is not None else ()
+        candidates: list[Unit] = []
+        count = 0
         for mid in cls._member_order(job, seats):
             m = members[mid]
             if m.workers == 1 and not m.slots:  # most members (ten thousand at a re-form): no list for each
-                if len(candidates) < n:
-                    candidates.append(m.candidate(mid, seats.get(mid)))
-            elif len(candidates) + m.workers <= n:
-                candidates += m.candidates(mid, seats)
-            if len(candidates) == n:
+                if count < n:
+                    if made:
+                        candidates.append(m.candidate(mid, seats.get(mid)))
+                    count += 1
+            elif count + m.workers <= n:
+                seat = seats.get(mid)
+                if not made:
+                    pass
+                elif m.slots:
+                    candidates.append(HostWorkers(mid, m.node_key, m.address, m.port, m.node_rank, m.slots,
+                                                  seat[0] if seat else None, nodes[seat[0]].members if seat else ()))
+                else:
+                    candidates.append(NodeWorkers(mid, m.node_key, m.address, m.port, m.node_rank, m.role, m.workers,
+                                                  seat[0] if seat else None))
+                count += m.workers
+            if count == n:
                 break
-        return candidates
+        return candidates, count
 
     def _form(self, job: Job, n: int, actions: Actions) -> None:
-        candidates = self._candidates(job, n)
+        candidates = self._candidates(job, n)[0]
         spec = job.spec.at_size(n)
         if n > self.plan_inline_max:
             if job.planning != job.version:  # else the plan for exactly these candidates is on its way
@@ -176,6 +270,11 @@ class Forming:
                 actions.plans.append(PlanRequest(job.job_id, job.version, tuple(candidates), spec))
             return
         self._seat(job, plan_or_error(candidates, spec), actions)
+
+    def plan_wanted(self, request: PlanRequest) -> bool:
+        """Whether the plan of `request` would still be used (planned would not drop it)."""
+        job = self._jobs.get(request.job_id)
+        return job is not None and job.planning == request.version
 
     def planned(self, request: PlanRequest, plan: WorldPlan | PlanError) -> Actions:
         """The plan of `request`, computed off the event loop, is ready. It is
@@ -231,19 +330,22 @@ class Forming:
         members = job.members
         first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
         self.widest_world = max(self.widest_world, plan.world_size)
-        hosts: set[str] = set()
-        for wid in plan.ranks:
-            mid, m = wid, members.get(wid)
-            if m is None:  # a node membership's further workers, or a host membership's (worker_id)
-                mid = member_of(wid)
-                m = members.get(mid)
-                if m is None or not m.slots:
+        hosts: dict[str, int] = {}  # host memberships seated: how many of their workers
+        for node in plan.seating.nodes:
+            seated = node.members
+            first = members.get(member_of(seated[0]))
+            if first is not None and (first.slots or (first.workers > 1 and seated[0] in members)):
+                if first.slots:  # a node or host membership holds its node alone: one look at it
+                    hosts[member_of(seated[0])] = len(seated)
+                seated = seated[:1]
+            for wid in seated:
+                mid, m = member_of(wid), members.get(member_of(wid))
+                if m is None:
                     continue
-                hosts.add(mid)
-            if m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
-                m.lease, m.lease_deadline = Lease.FIRST, first_lease
-                self._queue(job.job_id, mid, m, first_lease)
-        job.seat_hosts(hosts)
+                if m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
+                    m.lease, m.lease_deadline = Lease.FIRST, first_lease
+                    self._queue(job.job_id, mid, m, first_lease)
+        job.seat_hosts(hosts, hosts)
         rank0 = member_of(plan.seating.nodes[0].members[0])
         members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
         actions.writes.append(PutMember(job.job_id, member_record(rank0, members[rank0])))

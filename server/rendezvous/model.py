@@ -32,6 +32,10 @@ class Limits:
     max_connection_age_s: float = 3600.0  # then GOAWAY; calls in flight get max_join_wait_s + 1 s more
     max_events_per_job: int = 1000  # a job's history keeps its last this many events
     caller_share: float = 0.25  # what one caller (token, client certificate or peer address) may hold of each limit
+    # Workers one job holds (its world, standbys and joiners waiting): 2**17, a 100,000-GPU world and room to
+    # grow or stand by; a world of 1,048,576 stalled the server for 17.85 s before worlds were bounded (issue 37).
+    max_world_size: int = 131_072
+    max_workers_per_caller: int = 131_072  # workers in one caller's Joins waiting: one largest world at once
 
 
 class JobState(enum.Enum):
@@ -203,7 +207,7 @@ class PlanRequest(NamedTuple):
 
     job_id: str
     version: int  # the job's version the candidates were taken at
-    candidates: tuple[Candidate, ...]
+    candidates: tuple  # Candidates; a node membership's as one NodeWorkers (forming.py), made off the loop
     spec: JobSpec  # at the world's size
 
 
@@ -383,10 +387,12 @@ class Job:
                 return rank
         return None
 
-    def seat_hosts(self, member_ids: Iterable[str]) -> None:
-        """Sets `hosts`: which workers of these host memberships sit in `plan`, in each one's order."""
-        ranks, members = self.plan.ranks, self.members
-        hosts = {mid: tuple(s.index for s in members[mid].slots if worker_id(mid, s.index) in ranks) for mid in member_ids}
+    def seat_hosts(self, member_ids: Iterable[str], counts: Mapping[str, int] | None = None) -> None:
+        """Sets `hosts`: which workers of these host memberships sit in `plan`, in each one's order
+        (`counts`: how many of each sit there, where known: when all do, none is looked up)."""
+        ranks, members, counts = self.plan.ranks, self.members, counts or {}
+        hosts = {mid: tuple(s.index for s in members[mid].slots if counts.get(mid) == len(members[mid].slots)
+                            or worker_id(mid, s.index) in ranks) for mid in member_ids}
         self.hosts = {mid: seated for mid, seated in hosts.items() if seated} or None
 
     def world(self, previous: WorldPlan | None = None) -> NewWorld:

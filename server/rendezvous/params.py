@@ -12,14 +12,16 @@ from typing import NamedTuple
 from commctx.common.addresses import canonical_ip
 from commctx.common.planning import NODE_KEY, JobSpec, check_name, check_role, elide
 
-from ..errors import BadRequest
+from ..errors import BadRequest, LimitExceeded
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
 CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
 HOST_ID = re.compile(r"[0-9a-f]{8,64}")
 MEMBER_SECRET = re.compile(r"[0-9a-f]{32,128}")
-MAX_NODE_WORKERS = 1024  # workers of one node membership: its Join answers with each one's assignment
+# Workers of one node membership (its Join answers with each one's assignment): kept at 1,024, above any
+# launcher's processes per node today, its answer ~0.2 MB encoded in slices (codec.join_slices); worlds: --max-world-size.
+MAX_NODE_WORKERS = 1024
 
 
 def check_job_id(value: str) -> str:
@@ -157,6 +159,23 @@ class JoinParams(NamedTuple):
         seal = job_secret_digest(job_secret) if job_secret else ""
         return cls(job_id, spec, node_key, address, port, local_rank, node_rank, loopback, role, member_id, secret, seal, workers,
                    tuple(slots), host_id)
+
+
+def check_world_size(p: JoinParams, joined: int, most: int) -> None:
+    """That a Join keeps its job within `most` workers (--max-world-size):
+    `joined`, the job's workers now (0: the Join creates it), and the Join's.
+
+    Raises:
+        BadRequest: the spec's smallest world is larger (no Join could form it).
+        LimitExceeded: the Join's workers would take the job past it.
+    """
+    if p.spec.min_world > most:
+        unit = "nodes" if p.spec.nodes else "workers"
+        raise BadRequest(f"spec's smallest world is {p.spec.min_world:,} {unit}; this server forms worlds of at most "
+                         f"{most:,} workers (--max-world-size)")
+    if joined + p.workers > most:
+        raise LimitExceeded(f"job {p.job_id!r} holds {joined:,} workers; node {p.node_key!r} cannot add {p.workers:,} "
+                            f"more: a job holds at most {most:,} workers on this server (--max-world-size)")
 
 
 def _check_slots(slots: tuple[Slot, ...], spec: JobSpec, role: str, local_rank: int | None, workers: int) -> None:

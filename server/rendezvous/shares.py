@@ -7,7 +7,9 @@ bearer token (with --auth-tokens), else the identity of a client certificate
 it created (--max-jobs), Joins waiting (--max-members) and open streams
 (Session and WatchEvents, and the HTTP port's event streams: --max-streams).
 One caller filling its share leaves three quarters of every limit to the
-others. An admin token is exempt.
+others. Its Joins waiting also hold at most --max-workers-per-caller workers
+together (a node Join counts its workers, up to 1,024: Joins alone would let
+one caller wait with 50,000 x 1,024 workers). An admin token is exempt.
 
 Accounting is O(1) per call: a counter per caller and kind, taken when the
 call (or job) begins and given back when it ends.
@@ -38,7 +40,7 @@ class Caller(NamedTuple):
 
 SERVER = Caller("", "the server", True)  # the server itself (restored jobs, tests below the RPC edge)
 
-JOBS, WAITING, STREAMS = "jobs", "waiting joins", "open streams"
+JOBS, WAITING, STREAMS, WORKERS = "jobs", "waiting joins", "open streams", "workers"
 _LIMIT = {JOBS: ("max_jobs", "--max-jobs"), WAITING: ("max_members", "--max-members"), STREAMS: ("max_streams", "--max-streams")}
 
 
@@ -79,7 +81,8 @@ class Shares:
 
     def __init__(self, limits: Limits) -> None:
         self.caps = {kind: max(1, math.floor(getattr(limits, name) * limits.caller_share)) for kind, (name, _) in _LIMIT.items()}
-        self._held: dict[str, Counter[str]] = {kind: Counter() for kind in _LIMIT}
+        self.caps[WORKERS] = limits.max_workers_per_caller  # a caller's own, not a share of a server-wide limit
+        self._held: dict[str, Counter[str]] = {kind: Counter() for kind in self.caps}
         self._max_streams = limits.max_streams
         self.streams = 0  # open now (Session and WatchEvents), all callers
         self.live = LiveCalls()
@@ -100,28 +103,31 @@ class Shares:
         self.streams -= 1
         self.give(STREAMS, caller)
 
-    def take(self, kind: str, caller: Caller) -> None:
-        """Counts one more `kind` for `caller`.
+    def take(self, kind: str, caller: Caller, n: int = 1) -> None:
+        """Counts `n` more `kind` for `caller` (WORKERS: the workers of a Join waiting).
 
         Raises:
-            LimitExceeded: the caller holds its share already; the message names
+            LimitExceeded: the caller would pass its share; the message names
                 its cap and use ("this token holds 2,500 of its 2,500 jobs").
         """
         if caller.exempt:
             return
-        held = self._held[kind]
-        if held[caller.key] >= self.caps[kind]:
+        held, cap = self._held[kind], self.caps[kind]
+        if held[caller.key] + n > cap:
+            if kind == WORKERS:
+                raise LimitExceeded(f"{caller.shown} holds {held[caller.key]:,} workers in Joins waiting; this Join's {n:,} "
+                                    f"more would pass its {cap:,} (--max-workers-per-caller); end some, or retry later")
             name, flag = _LIMIT[kind]
-            raise LimitExceeded(f"{caller.shown} holds {held[caller.key]:,} of its {self.caps[kind]:,} {kind} (a caller's "
+            raise LimitExceeded(f"{caller.shown} holds {held[caller.key]:,} of its {cap:,} {kind} (a caller's "
                                 f"share of the server's limit, --caller-share of {flag}); end some, or retry later")
-        held[caller.key] += 1
+        held[caller.key] += n
 
-    def give(self, kind: str, caller: Caller) -> None:
-        """Gives back one `kind` taken for `caller`."""
+    def give(self, kind: str, caller: Caller, n: int = 1) -> None:
+        """Gives back `n` `kind` taken for `caller`."""
         if caller.exempt:
             return
         held = self._held[kind]
-        held[caller.key] -= 1
+        held[caller.key] -= n
         if held[caller.key] <= 0:
             del held[caller.key]
 

@@ -2,19 +2,16 @@
 values (spec <-> JobSpec, join request -> JoinParams, assignment -> message,
 views -> descriptions), and domain errors -> gRPC status with a standard
 google.rpc.ErrorInfo in its details. Nothing else in the server touches
-protobuf."""
+protobuf but its helpers here: wire.py (bytes by hand) and undecodable.py."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 from google.protobuf import any_pb2, json_format
-from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -44,6 +41,7 @@ from ..rendezvous.reports import JobView
 from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.waiting import Placed
 from . import wire
+from .undecodable import LimitedLog, Undecodable, tolerant  # noqa: F401 - codec's names, as app.py and the servicer use them
 
 log = logging.getLogger("commctx.server")
 
@@ -201,17 +199,54 @@ def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
     return response
 
 
+# Workers' assignments encoded between two yields of the event loop when a
+# Join of a node or host membership is answered (join_slices), or a host
+# membership's session told of its new world (session_slices): a 1,024-worker
+# node's answer, encoded whole, was 15-25 ms of the loop, and a world of 98 such
+# nodes woken at once held it for 1.2 s (benchmarks/bounds.py).
+ANSWER_SLICE = 64
+
+
 def join_answer(placed: Placed, workers: int = 0) -> pb.JoinResponse | bytes:
-    """What the servicer answers a Join with: join_response, but a host membership's
-    workers' assignments as bytes joined from the world's shared parts (as a session's are)."""
+    """What the servicer answers a Join with: join_response, but a node or host
+    membership's workers' assignments as bytes joined from the world's shared
+    parts (as a session's are): join_slices, joined."""
+    return b"".join(join_slices(placed, workers)) if sliced(placed, workers) else join_response(placed)
+
+
+def sliced(placed: Placed, workers: int) -> bool:
+    """Whether a Join's answer holds its workers' assignments (a node or host membership's): join_slices."""
+    return bool(workers) or (placed.world.hosts is not None and placed.joined.member_id in placed.world.hosts)
+
+
+def join_slices(placed: Placed, workers: int) -> Iterator[bytes]:
+    """A node or host membership's JoinResponse (`workers`: the request's
+    JoinRequest.workers), as bytes, ANSWER_SLICE workers' assignments at a
+    time: the servicer yields the event loop between two slices."""
     member_id, world = placed.joined.member_id, placed.world
-    if world.hosts is None or member_id not in world.hosts:
-        return join_response(placed, workers)
     head = pb.JoinResponse(member_id=member_id, member_secret=placed.member_secret,
                            lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000)).SerializeToString()
-    parts = _world_parts(world)
-    assignments = [parts.assignment(seat) for seat in world.host_seats(member_id)]
-    return b"".join([head, wire.field(_JOIN_ASSIGNMENT, assignments[0]), *[wire.field(_JOIN_WORKERS, a) for a in assignments]])
+    if world.hosts is not None and member_id in world.hosts:
+        seats = (world.assignment_for(worker_id(member_id, i), i) for i in world.hosts[member_id])
+    else:
+        seats = (world.assignment_for(worker_id(member_id, i)) for i in range(max(workers, 1)))
+    return _slices(_world_parts(world), seats, _JOIN_ASSIGNMENT, _JOIN_WORKERS, head)
+
+
+def _slices(parts: _WorldParts, seats: Iterator[Seat], first: int, each: int, head: bytes = b"") -> Iterator[bytes]:
+    """`head`, then the seats' assignments: the first's as field `first` and every one's as
+    field `each` (tags), ANSWER_SLICE at a time: a message's bytes, to be joined."""
+    out = [head]
+    for i, seat in enumerate(seats):
+        assignment = parts.assignment(seat)
+        if i == 0:
+            out.append(wire.field(first, assignment))
+        out.append(wire.field(each, assignment))
+        if len(out) >= ANSWER_SLICE:
+            yield b"".join(out)
+            out = []
+    if out:
+        yield b"".join(out)
 
 
 def _fill_host(m: pb.JoinResponse | pb.SessionEvent, world: NewWorld, member_id: str):
@@ -294,12 +329,22 @@ def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
     message field that occurs more than once on the wire is merged, and
     repeated fields keep their order, so the bytes parse to exactly the
     message fill_assignment builds (a test holds them equal)."""
-    parts = _world_parts(world)
     if world.hosts is not None and member_id in world.hosts:  # a host membership: each of its workers', in its order
-        workers = [parts.assignment(seat) for seat in world.host_seats(member_id)]
-        return b"".join([wire.field(_ASSIGNMENT, workers[0]), *[wire.field(_WORKER_ASSIGNMENTS, w) for w in workers]])
+        return b"".join(session_slices(world, member_id))
     seat = world.assignment_for(member_id)
-    return None if seat is None else wire.field(_ASSIGNMENT, parts.assignment(seat))
+    return None if seat is None else wire.field(_ASSIGNMENT, _world_parts(world).assignment(seat))
+
+
+def session_sliced(event: SessionEvent, member_id: str) -> bool:
+    """Whether a session event carries many workers' assignments (a host membership's new world): session_slices."""
+    return isinstance(event, NewWorld) and event.hosts is not None and member_id in event.hosts
+
+
+def session_slices(world: NewWorld, member_id: str) -> Iterator[bytes]:
+    """A host membership's SessionEvent in `world`, as bytes, ANSWER_SLICE workers'
+    assignments at a time (the servicer yields the event loop between two slices)."""
+    seats = (world.assignment_for(worker_id(member_id, i), i) for i in world.hosts[member_id])
+    return _slices(_world_parts(world), seats, _ASSIGNMENT, _WORKER_ASSIGNMENTS)
 
 
 def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
@@ -422,47 +467,3 @@ def events_page(events: list[JobEvent], size: int) -> pb.ListEventsResponse:
     shown = events[:size]
     return pb.ListEventsResponse(events=[event_message(e) for e in shown],
                                  next_page_token=str(shown[-1].seq) if len(events) > size else "")
-
-
-# -- undecodable requests -----------------------------------------------------------------
-
-
-class Undecodable:
-    """What the request deserializer returns for bytes that do not parse, instead
-    of raising (gRPC would answer UNKNOWN and log a traceback per request)."""
-
-    __slots__ = ("type_name",)
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = type_name
-
-    def error(self) -> BadRequest:
-        return BadRequest(f"the request is not a valid {self.type_name} message")
-
-
-class LimitedLog:
-    """At most one log line per `every_s` seconds, counting what it held back."""
-
-    def __init__(self, every_s: float = 60.0) -> None:
-        self.every_s, self.last, self.held = every_s, -math.inf, 0
-
-    def __call__(self, now: float, message: str) -> None:
-        if now - self.last >= self.every_s:
-            log.warning("undecodable_requests", extra={"fields": {"example": message, "more_since_last_line": self.held}})
-            self.last, self.held = now, 0
-        else:
-            self.held += 1
-
-
-
-def tolerant(parse: Callable[[bytes], object], type_name: str, log_line: LimitedLog) -> Callable[[bytes], object]:
-    """`parse`, answering Undecodable (and logging through `log_line`) where it would raise."""
-
-    def decode(data: bytes) -> object:
-        try:
-            return parse(data)
-        except DecodeError:
-            log_line(time.monotonic(), f"{len(data)} bytes that are not a {type_name}")
-            return Undecodable(type_name)
-
-    return decode

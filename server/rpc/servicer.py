@@ -5,7 +5,7 @@ domain's; every error leaves through `codec.error_status` (never UNKNOWN)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -18,7 +18,7 @@ from ..rendezvous.executor import Executor
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import DISCONNECTED, Gone, Replaced
 from ..rendezvous.params import check_job_id, check_member_id
-from ..rendezvous.shares import Caller
+from ..rendezvous.shares import WORKERS, Caller
 from ..rendezvous.views import MAX_NODE_PAGE_SIZE, NODE_PAGE_SIZE
 from ..rendezvous.waiting import Joining, Waiters
 from ..rendezvous.watching import JOB_GONE, TooSlow
@@ -43,6 +43,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._joining = Joining(machine, executor, waiters)
         self._rpc_error = rpc_error
         self._specs = SpecCache()
+        self._answering = asyncio.Lock()  # encoding a node or host membership's workers' assignments (_encoded)
 
     def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
         """Answers the call with `exc`'s status; the handler then returns None
@@ -62,13 +63,31 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse | None:
         try:
             params = codec.join_params(request, await self._specs.spec_of(request, self._machine.limits))
-            placed = await self._joining.join(params, request.member_secret, caller_of(context, self._callers),
-                                              request.wait_timeout_ms / 1000, context.time_remaining())
-            return codec.join_answer(placed, request.workers)
+            caller, shares = caller_of(context, self._callers), self._machine.shares
+            shares.take(WORKERS, caller, params.workers)  # the workers its Joins waiting hold (--max-workers-per-caller)
+            try:
+                placed = await self._joining.join(params, request.member_secret, caller, request.wait_timeout_ms / 1000,
+                                                  context.time_remaining())
+            finally:
+                shares.give(WORKERS, caller, params.workers)
+            if not codec.sliced(placed, request.workers):
+                return codec.join_response(placed)
+            return await self._encoded(codec.join_slices(placed, request.workers))
         except Exception as exc:
             self._fail(context, "Join", exc)
             del exc  # its traceback holds this frame, which would hold it: no cycle
             return None
+
+    async def _encoded(self, slices: Iterator[bytes]) -> bytes:
+        """A message of many workers' assignments (a node or host membership's): a slice
+        per turn of the event loop, one message at a time (a world's hundred node Joins,
+        woken at once, would otherwise each take a turn: 64 workers x 100 in one turn)."""
+        async with self._answering:
+            out = []
+            for piece in slices:
+                out.append(piece)
+                await asyncio.sleep(0)
+        return b"".join(out)
 
     @property
     def open_member_sessions(self) -> int:
@@ -165,7 +184,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                     how = "replaced"
                     self._fail(context, "Session", SessionReplaced(event.reason))
                     return
-                message = codec.session_event(event, member_id)
+                if codec.session_sliced(event, member_id):
+                    message = await self._encoded(codec.session_slices(event, member_id))
+                else:
+                    message = codec.session_event(event, member_id)
                 if message is not None:
                     await context.write(message)
                 if isinstance(event, Gone):
