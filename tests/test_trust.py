@@ -96,3 +96,25 @@ def test_strangers_standbys_are_capped_and_a_teams_replacement_is_seated_first()
 def join_as(rdzv: Rendezvous, p, caller: Caller) -> str:
     joined, _, _ = rdzv.join(p, caller)
     return joined.member_id
+
+
+def test_a_callers_placed_workers_count_against_its_share_until_they_go():
+    """--max-workers-per-caller counts what a caller holds, not only its Joins
+    waiting: a formed world's workers stay counted until they leave."""
+    from commctx.common.planning import JobSpec
+    from commctx.server.errors import LimitExceeded
+    from commctx.server.rendezvous.model import Limits
+    from commctx.server.rendezvous.shares import WORKERS
+
+    from .test_machine import params
+
+    rdzv = Rendezvous(lease_ttl_s=TTL, clock=FakeClock(), limits=Limits(max_workers_per_caller=4))
+    formed = [join_as(rdzv, params(JobSpec.build(2), f"n{i}", job="a"), TEAM) for i in range(2)]
+    assert rdzv.describe("a").state is JobState.FORMED and rdzv.shares.held(WORKERS, TEAM) == 2
+    join_as(rdzv, params(JobSpec.build(3), "m0", job="b"), TEAM)
+    join_as(rdzv, params(JobSpec.build(3), "m1", job="b"), TEAM)
+    with pytest.raises(LimitExceeded, match="holds 4 workers \\(waiting or placed, all its jobs\\)"):
+        rdzv.join(params(JobSpec.build(3), "m2", job="b"), TEAM)
+    join_as(rdzv, params(JobSpec.build(3), "m2", job="b"), STRANGER)  # another caller's own count
+    rdzv.leave("a", formed[0], caller=TEAM)
+    assert rdzv.shares.held(WORKERS, TEAM) == 3  # given back as its workers go

@@ -14,7 +14,7 @@ from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refus
 from .actions import Actions
 from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note, worker_id
 from .params import JoinParams, Slot, check_world_size
-from .shares import JOBS, SERVER, Caller
+from .shares import JOBS, SERVER, WORKERS, Caller
 from .store import PutJob, PutMember, member_record
 
 log = logging.getLogger("commctx.server")
@@ -69,10 +69,15 @@ class Admission:
         if job is None and len(self._jobs) >= self.limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
+        self.shares.take(WORKERS, caller, p.workers)  # the workers a caller holds, waiting or placed (--max-workers-per-caller)
         if job is None:
-            for role, _ in p.roles():
-                p.spec.check_declared(p.job_id, role)
-            self.shares.take(JOBS, caller)  # last: nothing to give back if it refuses
+            try:
+                for role, _ in p.roles():
+                    p.spec.check_declared(p.job_id, role)
+                self.shares.take(JOBS, caller)  # last: nothing to give back if it refuses
+            except Exception:
+                self.shares.give(WORKERS, caller, p.workers)
+                raise
         now = self._clock()
         actions = Actions()
         if job is None:  # a new run of this id: an earlier one that ended stays kept, as one of its runs
@@ -82,7 +87,7 @@ class Admission:
         member_id = p.member_id or self._new_member_id()
         self._seq += 1
         member = self._add_member(job, member_id, p, self._seq)
-        member.caller = caller.key
+        member.caller, member.held = caller.key, 0 if caller.exempt else p.workers
         self._members += 1
         job.last_arrival = now
         actions.writes.append(PutMember(job.job_id, member_record(member_id, member)))

@@ -32,7 +32,7 @@ from .model import (
     member_of,
     worker_id,
 )
-from .shares import JOBS, SERVER, Caller
+from .shares import JOBS, SERVER, WORKERS, Caller
 from .store import DeleteMember, PutMember, member_record
 
 log = logging.getLogger("commctx.server")
@@ -380,6 +380,8 @@ class Leases:
     def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
         member = job.members.pop(member_id)
         self._members -= 1
+        if member.held:
+            self.shares.give(WORKERS, Caller(member.caller, ""), member.held)
         job.version += 1
         in_world = job.in_world(member_id, member)
         job.placed -= job.seated(member_id, member)

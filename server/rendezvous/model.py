@@ -35,7 +35,7 @@ class Limits:
     # Workers one job holds (its world, standbys and joiners waiting): 2**17, a 100,000-GPU world and room to
     # grow or stand by; a world of 1,048,576 stalled the server for 17.85 s before worlds were bounded (issue 37).
     max_world_size: int = 131_072
-    max_workers_per_caller: int = 131_072  # workers in one caller's Joins waiting: one largest world at once
+    max_workers_per_caller: int = 131_072  # workers one caller holds, waiting or placed: one largest world at once
 
 
 class JobState(enum.Enum):
@@ -222,7 +222,7 @@ class Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
     __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease", "lease_deadline", "queued",
-                 "generation", "session", "secret", "workers", "slots", "caller")
+                 "generation", "session", "secret", "workers", "slots", "caller", "held")
 
     def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
         self.node_key = node.key
@@ -241,6 +241,7 @@ class Member:
         self.workers = p.workers  # >1: a node membership, seated as local ranks 0..workers-1 (worker_id)
         self.slots = p.slots  # a host membership's workers, each seated as "<member id>/<index>"; () otherwise
         self.caller = ""  # the Caller.key of its Join ("": the server's, or restored: not kept)
+        self.held = 0  # the workers counted against that caller's --max-workers-per-caller (given back when it goes)
 
     def roles(self) -> list[tuple[str, int]]:
         """The workers it holds, as (role, how many)."""

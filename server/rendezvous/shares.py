@@ -115,8 +115,9 @@ class Shares:
         held, cap = self._held[kind], self.caps[kind]
         if held[caller.key] + n > cap:
             if kind == WORKERS:
-                raise LimitExceeded(f"{caller.shown} holds {held[caller.key]:,} workers in Joins waiting; this Join's {n:,} "
-                                    f"more would pass its {cap:,} (--max-workers-per-caller); end some, or retry later")
+                raise LimitExceeded(f"{caller.shown} holds {held[caller.key]:,} workers (waiting or placed, all its jobs); "
+                                    f"this Join's {n:,} more would pass its {cap:,} (--max-workers-per-caller); end some, "
+                                    f"or retry later")
             name, flag = _LIMIT[kind]
             raise LimitExceeded(f"{caller.shown} holds {held[caller.key]:,} of its {cap:,} {kind} (a caller's "
                                 f"share of the server's limit, --caller-share of {flag}); end some, or retry later")

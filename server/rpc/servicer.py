@@ -18,7 +18,7 @@ from ..rendezvous.executor import Executor
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import DISCONNECTED, Gone, Replaced
 from ..rendezvous.params import check_job_id, check_member_id
-from ..rendezvous.shares import WORKERS, Caller
+from ..rendezvous.shares import Caller
 from ..rendezvous.views import MAX_NODE_PAGE_SIZE, NODE_PAGE_SIZE
 from ..rendezvous.waiting import Joining, Waiters
 from ..rendezvous.watching import JOB_GONE, TooSlow
@@ -63,13 +63,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse | None:
         try:
             params = codec.join_params(request, await self._specs.spec_of(request, self._machine.limits))
-            caller, shares = caller_of(context, self._callers), self._machine.shares
-            shares.take(WORKERS, caller, params.workers)  # the workers its Joins waiting hold (--max-workers-per-caller)
-            try:
-                placed = await self._joining.join(params, request.member_secret, caller, request.wait_timeout_ms / 1000,
-                                                  context.time_remaining())
-            finally:
-                shares.give(WORKERS, caller, params.workers)
+            caller = caller_of(context, self._callers)  # its workers count against its share in the machine's join
+            placed = await self._joining.join(params, request.member_secret, caller, request.wait_timeout_ms / 1000,
+                                              context.time_remaining())
             if not codec.sliced(placed, request.workers):
                 return codec.join_response(placed)
             return await self._encoded(codec.join_slices(placed, request.workers))
