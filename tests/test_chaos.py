@@ -5,7 +5,7 @@ Every worker is an asyncio client that does what the client library does:
 tries the replica it believes leads, follows NOT_LEADER hints, re-attaches
 with its own member id and secret after a failure, and renews its lease
 every third of the TTL. Each answered call is recorded; a checker then reads
-the history and the final state:
+the history and the final state (benchmarks/chaos_history.py checks it):
 
 - no two members hold the same rank of a job in one generation, and every
   member of a world saw the same world (size, generation, master);
@@ -33,6 +33,8 @@ import time
 import grpc
 import pytest
 
+from benchmarks.chaos_history import History as Recorded
+from benchmarks.chaos_history import Op, check
 from commctx.transport import leader_hint
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -78,13 +80,13 @@ class Fleet:
 @dataclasses.dataclass
 class History:
     joined: dict[str, tuple[str, int, int, int, str]] = dataclasses.field(default_factory=dict)  # member -> (job, gen, rank, size, master)
-    left: set[str] = dataclasses.field(default_factory=set)  # answered Leave
+    left: dict[str, float] = dataclasses.field(default_factory=dict)  # answered Leave -> when
     generations: dict[str, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
     secrets: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # member -> (job, secret)
     failed_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     settled: int = 0  # workers whose history is final
     renewed: dict[str, list[float]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))  # answer times
-    lost: dict[str, str] = dataclasses.field(default_factory=dict)  # member -> why a renewal found it gone
+    lost: dict[str, float] = dataclasses.field(default_factory=dict)  # member -> when the renewal that found it gone began
 
 
 async def worker(fleet: Fleet, history: History, job: str, node: str, leave_after: float | None,
@@ -111,6 +113,7 @@ async def worker(fleet: Fleet, history: History, job: str, node: str, leave_afte
         if ends is None:
             history.settled, settled = history.settled + 1, True
         while not checked.is_set() and (ends is None or time.monotonic() < ends):
+            began = time.monotonic()
             try:
                 renewed = await fleet.call("KeepAlive", pb.KeepAliveRequest(
                     job_id=job, member_id=member, member_secret=secret, generation=a.generation), time.monotonic() + LEASE_TTL_S)
@@ -119,18 +122,18 @@ async def worker(fleet: Fleet, history: History, job: str, node: str, leave_afte
             except grpc.aio.AioRpcError as err:
                 history.failed_calls[f"KeepAlive {err.code().name}"] += 1
                 if err.code() is grpc.StatusCode.NOT_FOUND:
-                    history.lost[member] = err.details()
+                    history.lost[member] = began
                     break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(checked.wait(), LEASE_TTL_S / 3 * random.uniform(0.8, 1.0))
         if ends is not None:
             try:
                 await fleet.call("Leave", pb.LeaveRequest(job_id=job, member_id=member, member_secret=secret), time.monotonic() + 30)
-                history.left.add(member)
+                history.left[member] = time.monotonic()
             except grpc.aio.AioRpcError as err:
                 history.failed_calls[f"Leave {err.code().name}"] += 1
                 if err.code() is grpc.StatusCode.NOT_FOUND:  # a retry of a Leave applied before a failover: gone
-                    history.left.add(member)
+                    history.left[member] = time.monotonic()
     finally:
         if not settled:
             history.settled += 1
@@ -176,36 +179,34 @@ async def test_chaos_history_is_consistent(cluster):
         assert time.monotonic() < deadline, f"{len(tasks) - history.settled} workers did not settle"
         await asyncio.sleep(0.1)
 
-    # -- the checker ----------------------------------------------------------------------------
-    problems = []
-    worlds: dict[tuple[str, int], dict[int, str]] = collections.defaultdict(dict)
-    shapes: dict[tuple[str, int], set] = collections.defaultdict(set)
+    # -- the checker (benchmarks/chaos_history.py) over the recorded calls and a final KeepAlive of each member --
+    ops: list[Op] = []
     for member, (job, gen, rank, size, master) in history.joined.items():
-        if rank in worlds[job, gen]:
-            problems.append(f"rank {rank} of {job} generation {gen} given to {worlds[job, gen][rank]} and {member}")
-        worlds[job, gen][rank] = member
-        shapes[job, gen].add((size, master))
-    problems += [f"{key}: members saw different worlds {s}" for key, s in shapes.items() if len(s) > 1]
-    problems += [f"{m}: generations went back {g}" for m, g in history.generations.items() if g != sorted(g)]
-    expired = 0
+        for i, (t, g) in enumerate(zip(history.renewed[member], history.generations[member])):  # calls in turn
+            ops.append(Op(len(ops), "keepalive" if i else "join", job, member, start=t, end=t, generation=g,
+                          rank=None if i else rank, world="" if i else f"{size} {master}"))
+        if member in history.lost:
+            ops.append(Op(len(ops), "keepalive", job, member, start=history.lost[member], end=history.lost[member],
+                          ok=False, error="NOT_FOUND"))
+        if member in history.left:
+            ops.append(Op(len(ops), "leave", job, member, start=history.left[member], end=history.left[member]))
+    problems = []
     for member, (job, secret) in history.secrets.items():
         if member not in history.joined:
             continue
+        began = time.monotonic()
         try:
             renewed = await fleet.call("KeepAlive", pb.KeepAliveRequest(job_id=job, member_id=member, member_secret=secret,
                                                                          generation=history.joined[member][1]), time.monotonic() + 30)
-            if member in history.left:
-                problems.append(f"{member} of {job} answered Leave but is back (generation {renewed.generation})")
-            elif renewed.generation != history.joined[member][1]:
+            ops.append(Op(len(ops), "probe", job, member, start=began, end=time.monotonic(), generation=renewed.generation))
+            if member not in history.left and renewed.generation != history.joined[member][1]:
                 problems.append(f"{member} of {job}: generation {renewed.generation}, joined {history.joined[member][1]}")
         except grpc.aio.AioRpcError as err:
-            times = history.renewed[member]
-            gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
-            if member in history.lost and gap >= LEASE_TTL_S * 0.9:
-                expired += 1  # its renewals failed for a lease's length (the machine overloaded): expiry is right
-            elif member not in history.left:
-                problems.append(f"{member} of {job} completed its Join but the final state lacks it: {err.code().name} "
-                                f"{err.details()} (longest gap between its renewals {gap:.1f} s)")
+            ops.append(Op(len(ops), "probe", job, member, start=began, end=time.monotonic(), ok=False, error=err.code().name))
+    report = check(Recorded(ops=ops, lease_ttl_s=LEASE_TTL_S, checks_convergence=False))
+    problems += [str(v) for v in report.violations]
+    lost = {v.ids[0] for v in report.violations if v.invariant == "join_kept"}
+    expired = sum(1 for o in ops if o.kind == "probe" and not o.ok and o.member not in history.left) - len(lost)
     checked.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     await fleet.close()
