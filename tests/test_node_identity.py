@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import grpc
 import pytest
@@ -42,17 +43,18 @@ ctx.destroy()
 
 
 def machine(tmp_path, name: str, hostname: str, machine_id: str, boot_id: str, server: str, address: str) -> subprocess.Popen:
-    """A worker on a "machine" of its own: its hostname, machine id and boot id, and a /tmp of its own (two
-    machines never share the Unix socket by which one host's workers share a membership)."""
+    """A worker on a "machine" of its own: its hostname, machine id and boot id, and a runtime directory of its
+    own, short enough for a Unix socket's path (two machines never share the socket by which one host's workers
+    share a membership; a long one would fall back to the /tmp all these "machines" share)."""
     root = tmp_path / name
     root.mkdir()
     (root / "machine-id").write_text(machine_id + "\n")
     (root / "boot_id").write_text(boot_id + "\n")
+    run = tempfile.mkdtemp(prefix="cx-", dir="/tmp")
+    RUNTIME_DIRS.append(run)
     script = (f"hostname {hostname} && mount --bind {root / 'machine-id'} /etc/machine-id && "
-              f"mount --bind {root / 'boot_id'} /proc/sys/kernel/random/boot_id && mount -t tmpfs tmpfs /tmp && "
-              f"exec \"$@\"")
-    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
-    env["COMMCTX_PROGRESS_S"] = "0"
+              f"mount --bind {root / 'boot_id'} /proc/sys/kernel/random/boot_id && exec \"$@\"")
+    env = {**os.environ, "XDG_RUNTIME_DIR": run, "COMMCTX_PROGRESS_S": "0"}
     return subprocess.Popen(["unshare", "--mount", "--uts", "sh", "-c", script, "sh", sys.executable, "-c", WORKER, server,
                              address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -87,6 +89,11 @@ def test_two_hosts_of_one_name_are_two_nodes_and_a_cloned_one_is_refused(tmp_pat
         assert sorted(n.address for n in d.nodes) == ["127.0.0.2", "127.0.0.4"]
     finally:
         server.stop()
+        while RUNTIME_DIRS:
+            shutil.rmtree(RUNTIME_DIRS.pop(), ignore_errors=True)
+
+
+RUNTIME_DIRS: list[str] = []
 
 
 def _joined(stub) -> int:
