@@ -156,6 +156,33 @@ async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: flo
         await asyncio.sleep(0.01)
 
 
+def wait_until(check: Callable[[], object], timeout_s: float = 10.0, what: str | Callable[[], object] = "",
+               interval_s: float = 0.02) -> object:
+    """Waits until `check()` is truthy and returns that value; fails after
+    `timeout_s`, saying `what` (or what a callable `what` returns then: a log's
+    tail). The one poller of the synchronous tests, instead of sleeps."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout_s} s: {what() if callable(what) else what or check}")
+        time.sleep(interval_s)
+
+
+def holds_for(check: Callable[[], object], seconds: float, what: str = "", interval_s: float = 0.1) -> None:
+    """A negative check: `check()` stays truthy for `seconds` (time that must
+    pass, e.g. past a lease), asked every `interval_s`; fails at its first miss."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if not check():
+            pytest.fail(f"no longer true after {seconds - (deadline - time.monotonic()):.1f} s: {what or check}")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(interval_s)
+
+
 @pytest.fixture
 def cluster():
     """A real etcd and three HA replicas over it (tests/etcd.py); stopped after the test."""
