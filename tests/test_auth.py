@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -18,12 +17,13 @@ import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from commctx import CommContext, UsageError, Unauthenticated
+from commctx import CommContext, Unauthenticated, UsageError
 from commctx.transport import error_reason
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
+from .conftest import holds_for, wait_until
 
 USER_TOKEN = "u-7f3a9c2e41b8"
 ADMIN_TOKEN = "a-0d5e6f7a8b9c"
@@ -35,14 +35,6 @@ def describe(address: str, token: str | None) -> grpc.RpcError:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="nope"), timeout=5, metadata=metadata)
     return info.value
-
-
-def wait_for(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -87,12 +79,12 @@ def test_every_call_but_health_needs_a_known_token(tmp_path):
         # SIGHUP re-reads the file: the user token is revoked, the admin's stays.
         tokens.write_text(f"{ADMIN_TOKEN} admin\n")
         server.popen.send_signal(signal.SIGHUP)
-        wait_for(lambda: describe(server.address, USER_TOKEN).code() == grpc.StatusCode.UNAUTHENTICATED)
+        wait_until(lambda: describe(server.address, USER_TOKEN).code() == grpc.StatusCode.UNAUTHENTICATED, what="the old token refused")
         assert describe(server.address, ADMIN_TOKEN).code() == grpc.StatusCode.NOT_FOUND
         # A file that no longer parses changes nothing, and the log says why without echoing it.
         tokens.write_text(f"{ADMIN_TOKEN} operator\n")
         server.popen.send_signal(signal.SIGHUP)
-        wait_for(lambda: "tokens_not_reloaded" in server.log())
+        wait_until(lambda: "tokens_not_reloaded" in server.log(), what=server.log)
         assert "line 1: expected a token, optionally followed by 'admin'" in server.log()
         assert describe(server.address, ADMIN_TOKEN).code() == grpc.StatusCode.NOT_FOUND
         log = server.log()  # at debug level
@@ -113,11 +105,16 @@ def test_a_worker_sends_its_token(tmp_path, monkeypatch):
             t = torch.tensor([2.0])
             dist.all_reduce(t)
             assert (ctx.assignment.rank, t.item()) == (0, 2.0)
-            time.sleep(2.5)  # over two lease TTLs: the job lives on only if the session stream renews with the token
             with grpc.insecure_channel(server.address) as ch:
-                d = pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="tok"), timeout=5,
-                                                           metadata=[("authorization", f"Bearer {USER_TOKEN}")])
-            assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 1)
+                def describe_tok() -> tuple:
+                    d = pb_grpc.RendezvousStub(ch).DescribeJob(pb.DescribeJobRequest(job_id="tok"), timeout=5,
+                                                               metadata=[("authorization", f"Bearer {USER_TOKEN}")])
+                    return d.state, d.generation, d.joined
+
+                # Time that must pass, not a wait for something: over two lease TTLs, the job lives on (asked
+                # throughout) only if the session stream renews with the token.
+                holds_for(lambda: describe_tok() == (pb.JobDescription.FORMED, 1, 1), 2.5, "the job formed, its worker in it")
+                assert describe_tok() == (pb.JobDescription.FORMED, 1, 1)
         finally:
             ctx.destroy()
         # Only the token-less Join was refused: the session stream and the Leave carried the token.
