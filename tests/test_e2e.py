@@ -4,7 +4,6 @@ torch.distributed (gloo), and network namespaces standing in for hosts."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -13,6 +12,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server, running, worker
+from .conftest import holds_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -61,8 +61,13 @@ def test_one_host_on_loopback():
         assert {r["env"]["GLOO_SOCKET_IFNAME"] for r in results} == {"lo"}
         assert {r["env"]["MASTER_ADDR"] for r in results} == {"127.0.0.1"}
 
-        # Leases are renewed: after three TTLs every member is still there.
-        time.sleep(3.0)  # a negative check: nothing may happen during this time
+        # Leases are renewed: after three TTLs every member is still there. The time must pass (a negative
+        # check, not a wait for something): DescribeJob is asked throughout and must never see a member gone.
+        def formed_with_all() -> bool:
+            d = asyncio.run(_describe(address, "local"))
+            return (d.state, d.joined) == (pb.JobDescription.FORMED, 4)
+
+        holds_for(formed_with_all, 3.0, "the job formed, its four members in it", interval_s=0.2)
         description = asyncio.run(_describe(address, "local"))
         assert (description.state, description.joined) == (pb.JobDescription.FORMED, 4)
 
