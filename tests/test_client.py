@@ -6,19 +6,16 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 
 import grpc
 import pytest
 import torch
 import torch.distributed as dist
-
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from commctx import (
     CommContext,
-    UsageError,
     CommMode,
     GroupNotFound,
     InvalidRequest,
@@ -31,6 +28,7 @@ from commctx import (
     RendezvousTimeout,
     ServerUnavailable,
     StaleGeneration,
+    UsageError,
 )
 from commctx.addresses import split_address
 from commctx.launched import LaunchedWorker
@@ -40,6 +38,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
+from .conftest import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -243,10 +242,7 @@ def test_join_errors_are_typed(server):
         waiting = stub.Join.future(
             pb.JoinRequest(job_id="mismatch", spec=pb.JobSpec(world_size=2), node_key="n", address="127.0.0.1", master_port=9, wait_timeout_ms=10_000)
         )
-        deadline = time.monotonic() + 10
-        while not _joined(stub, "mismatch"):
-            assert time.monotonic() < deadline, "first worker never registered"
-            time.sleep(0.01)
+        wait_until(lambda: _joined(stub, "mismatch"), what="first worker never registered")
         # ... so one asking for 3 is refused, naming both values.
         with pytest.raises(JobConflict, match="has world_size=2 but this worker asked for world_size=3"):
             CommContext.join(server.address, job_id="mismatch", world_size=3, timeout=5)

@@ -48,7 +48,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server, clean_env
-from .conftest import join_request
+from .conftest import join_request, wait_until
 from .etcd import free_port as closed_port
 
 TIMEOUT_S = 60.0  # the joins' timeout: an unhealable mistake must end far sooner
@@ -222,10 +222,7 @@ def test_a_sealed_job_s_refusal_names_the_job_secret_setting(servers, monkeypatc
         stub = pb_grpc.RendezvousStub(channel)
         first = stub.Join.future(join_request("ff-sealed", 2, job_secret="ff-secret-0123456789", wait_timeout_ms=30_000))
         try:
-            deadline = time.monotonic() + 15
-            while joined(stub, "ff-sealed", "ff-secret-0123456789") != 1:
-                assert time.monotonic() < deadline, "the sealing join never waited"
-                time.sleep(0.05)
+            wait_until(lambda: joined(stub, "ff-sealed", "ff-secret-0123456789") == 1, 15, "the sealing join never waited")
             start = time.monotonic()
             with pytest.raises(PermissionDenied) as info:
                 CommContext.join(servers["plain"], job_id="ff-sealed", world_size=2, timeout=TIMEOUT_S, progress_interval=0)
@@ -381,13 +378,12 @@ def test_the_session_warning_names_the_replica_it_moves_to(caplog):
     session = Session(f"{leader.address},{dead}")
     try:
         session.join(join_request("ff-failover", 1), 20.0, progress_s=0)
-        time.sleep(1.5)  # a stream that worked for over a second: its drop is reconnected at once, to the next replica
+        # Time that must pass, not a wait for something: a stream that worked for over a second has its drop
+        # reconnected at once, to the next replica.
+        time.sleep(1.5)
         leader.kill()
-        deadline = time.monotonic() + 10
-        said: list[str] = []
-        while time.monotonic() < deadline and not said:
-            said = [r.getMessage() for r in caplog.records if "unreachable (" in r.getMessage()]
-            time.sleep(0.05)
+        said = wait_until(lambda: [r.getMessage() for r in caplog.records if "unreachable (" in r.getMessage()],
+                          what="the session's warning")
     finally:
         session.close(leave=False)
         leader.stop()
@@ -437,10 +433,11 @@ def test_ctrl_c_in_a_waiting_join_withdraws_it_without_grpc_frames(share_host, t
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.RendezvousStub(channel)
             assert child.stdout.readline().strip() == "joining"
-            deadline = time.monotonic() + 30
-            while joined(stub, job) != 1:
-                assert time.monotonic() < deadline and child.poll() is None, "the child never waited in its join"
-                time.sleep(0.05)
+            def waiting() -> bool:
+                assert child.poll() is None, "the child never waited in its join"
+                return joined(stub, job) == 1
+
+            wait_until(waiting, 30, "the child never waited in its join")
             child.send_signal(signal.SIGINT)
             interrupted = time.monotonic()
             threads = json.loads(child.stdout.readline() or "null")
