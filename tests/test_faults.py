@@ -20,7 +20,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Hosts, Server, netns_available, running, worker
-from .test_operate import wait_until
+from .conftest import eventually, holds_for, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TTL = 2.0
@@ -153,7 +153,13 @@ def test_the_server_killed_and_restarted_on_its_state(tmp_path):
             server = Server("127.0.0.1", argv=argv)  # same port, same state
             d = describe(server.address, "durable")
             assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 2)
-            time.sleep(2 * TTL + 1)  # past the grace: only renewed leases survive this
+            # Time that must pass, not a wait for something: past the grace only renewed leases survive, and
+            # DescribeJob, asked throughout, never sees a member gone.
+            def kept() -> bool:
+                d = describe(server.address, "durable")
+                return (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 2)
+
+            holds_for(kept, 2 * TTL + 1, "the job formed, both workers in it", interval_s=0.2)
             d = describe(server.address, "durable")
             assert (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 2)
             # One warning for the host: its workers share one session, held by one of them.
@@ -226,7 +232,16 @@ async def test_join_storm_with_disconnects_and_rejoins():
                 if rng.random() < 0.2:
                     await asyncio.sleep(0)
             tasks = {i: asyncio.ensure_future(c) for i, c in calls.items()}
-            await asyncio.sleep(0.05)
+
+            async def forming() -> bool:
+                try:
+                    return (await stub.DescribeJob(pb.DescribeJobRequest(job_id="storm"))).joined > 0
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is not grpc.StatusCode.NOT_FOUND:
+                        raise
+                    return False
+
+            await eventually(forming, what="the world forming")  # the Joins are under way
             for i in droppers:  # these drop their call before the world can form
                 calls[i].cancel()
             await asyncio.gather(*(tasks[i] for i in droppers), return_exceptions=True)
@@ -294,18 +309,14 @@ def test_a_full_disk_refuses_answers_it_cannot_make_durable(tmp_path):
                         raise
                     return 0
 
-            deadline = time.monotonic() + 10
-            while held_joined() < 2 and time.monotonic() < deadline:  # the Joins are in flight: the job may not exist yet
-                time.sleep(0.05)
+            wait_until(lambda: held_joined() >= 2, what="both held Joins registered")  # in flight: the job may not exist yet
             d = describe(server.address, "held")
             assert (d.state, d.joined, d.generation) == (pb.JobDescription.FORMING, 2, 0)
             assert d.reason.startswith("held: the server cannot write its state") and not any(h.done() for h in held)
 
             os.unlink(state / "filler")
             assert sorted(h.result(15).assignment.rank for h in held) == [0, 1]
-            deadline = time.monotonic() + 10
-            while serving() != health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: serving() == health_pb2.HealthCheckResponse.SERVING, what="health SERVING again")
             assert serving() == health_pb2.HealthCheckResponse.SERVING
             assert describe(server.address, "held").state == pb.JobDescription.FORMED
     finally:
