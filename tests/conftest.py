@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
 import sys
-import time
-from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -15,6 +12,8 @@ import pytest
 from commctx.server import start_server
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+
+from .waiting import eventually, holds_for, wait_until  # noqa: F401 - the tests' pollers, imported from here
 
 # The console scripts this suite runs (commctx, commctx-server, grpcurl,
 # hadolint, check-jsonschema) live beside the interpreter running it, e.g.
@@ -140,47 +139,6 @@ def join_request(job_id: str, world_size: int, node_key: str = "node0", i: int =
     kw.setdefault("master_port", 20000 + i)
     kw.setdefault("wait_timeout_ms", 20_000)
     return pb.JoinRequest(job_id=job_id, spec=pb.JobSpec(world_size=world_size), node_key=node_key, **kw)
-
-
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 10.0, what: str = "") -> None:
-    """Waits until `check()` is true; fails after `timeout_s`. Instead of sleeps."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout_s} s: {what or check}")
-        await asyncio.sleep(0.01)
-
-
-def wait_until(check: Callable[[], object], timeout_s: float = 10.0, what: str | Callable[[], object] = "",
-               interval_s: float = 0.02) -> object:
-    """Waits until `check()` is truthy and returns that value; fails after
-    `timeout_s`, saying `what` (or what a callable `what` returns then: a log's
-    tail). The one poller of the synchronous tests, instead of sleeps."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout_s} s: {what() if callable(what) else what or check}")
-        time.sleep(interval_s)
-
-
-def holds_for(check: Callable[[], object], seconds: float, what: str = "", interval_s: float = 0.1) -> None:
-    """A negative check: `check()` stays truthy for `seconds` (time that must
-    pass, e.g. past a lease), asked every `interval_s`; fails at its first miss."""
-    deadline = time.monotonic() + seconds
-    while True:
-        if not check():
-            pytest.fail(f"no longer true after {seconds - (deadline - time.monotonic()):.1f} s: {what or check}")
-        if time.monotonic() >= deadline:
-            return
-        time.sleep(interval_s)
 
 
 @pytest.fixture
