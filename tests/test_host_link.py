@@ -23,6 +23,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Proc, Server, running, worker
+from .conftest import wait_until
 from .test_faults import describe, sums_of
 from .worker import reduce_all
 
@@ -170,10 +171,7 @@ def test_a_worker_that_disagrees_with_its_host_gets_the_servers_errors(runtime, 
     server = Server("127.0.0.1")
     waiting = host_workers(server, "agree", 2, {"host-a": 1}, runtime, env={"COMMCTX_JOB_SECRET": "s" * 16})
     with running([server, *waiting]):
-        deadline = time.monotonic() + 60
-        while not hub_pid(runtime) or describe_joined(server.address) < 1:
-            assert time.monotonic() < deadline, waiting[0].log()
-            time.sleep(0.05)
+        wait_until(lambda: hub_pid(runtime) and describe_joined(server.address) >= 1, 60, waiting[0].log)
         kw = dict(job_id="agree", node_key="host-a", timeout=5, share_host=True)
         with pytest.raises(JobConflict, match="job 'agree' has world_size=2 but this worker asked for world_size=3"):
             CommContext.join(server.address, world_size=3, job_secret="s" * 16, **kw)

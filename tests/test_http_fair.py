@@ -35,7 +35,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
-from .conftest import join_request
+from .conftest import join_request, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 ATTACKER, OTHER = "127.0.0.2", "127.0.0.1"  # two peers of one loopback server (Linux routes all of 127/8)
@@ -109,9 +109,7 @@ def test_one_peer_holding_every_connection_it_may_leaves_the_port_to_others():
     try:
         port = http_port(server)
         held = [connect(port, ATTACKER) for _ in range(8 + 12)]
-        deadline = time.monotonic() + 10
-        while closed_count(port, "refused_peer") < 12 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: closed_count(port, "refused_peer") >= 12, what="12 connections refused")
         refused = [s for s in held if readable(s)]
         assert len(refused) == 12  # the other 8 are held, silent
         for s in refused:
@@ -159,7 +157,7 @@ def test_a_slowloris_is_closed_after_the_header_timeout_and_a_patient_client_is_
         assert closed_after is not None and 0.8 <= closed_after <= 4.0, closed_after
         assert not readable(quiet)  # still open: the header timeout runs from a request's first byte
         quiet.sendall(b"GET /api/v1/server HTTP/1.1\r\nHost: x\r\n")
-        time.sleep(0.3)
+        time.sleep(0.3)  # the scenario, not a wait for something: a head sent slowly, within the timeout
         quiet.sendall(b"\r\n")  # its head complete within the timeout
         status, _ = read_head(quiet)
         assert status == 200
@@ -185,9 +183,7 @@ def test_event_streams_count_against_the_callers_stream_share_with_its_grpc_stre
         port = http_port(server)
         stub = pb_grpc.RendezvousStub(channel)
         waiting = stub.Join.future(join_request("fair", 2, wait_timeout_ms=30_000))
-        deadline = time.monotonic() + 10
-        while get(port, "/api/v1/jobs/fair")[0] != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: get(port, "/api/v1/jobs/fair")[0] == 200, what="the job 'fair' there")
         watch = stub.WatchEvents(pb.WatchEventsRequest(job_id="fair"), timeout=30)
         assert next(watch).kind == "joined"  # open on the server
         for _ in range(3):
@@ -206,14 +202,12 @@ def test_event_streams_count_against_the_callers_stream_share_with_its_grpc_stre
         streams.append(s)
         assert status == 200
         streams.pop(0).close()  # one stream ends: its share is given back at once
-        deadline = time.monotonic() + 5
-        while True:
+        def opened() -> bool:
             s, status, _ = open_stream(port, "fair")
             streams.append(s)
-            if status == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert status == 200
+            return status == 200
+
+        wait_until(opened, 5, "a stream of this peer's opened again", interval_s=0.05)
         watch.cancel()
         waiting.cancel()
     finally:
@@ -362,10 +356,7 @@ def test_sighup_swaps_the_client_ca_and_the_old_cas_certificates_are_refused(pki
 
         def hup(line: str) -> None:
             server.popen.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while line not in stderr_of(server):
-                assert time.monotonic() < deadline, stderr_of(server)
-                time.sleep(0.05)
+            wait_until(lambda: line in stderr_of(server), what=lambda: stderr_of(server))
 
         ca_file.write_bytes(pathlib.Path(pki["other_ca"]).read_bytes())
         hup("tls_reloaded")

@@ -10,7 +10,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import grpc
 import psutil
@@ -20,6 +19,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import PYTHON_EXEC, Server, forked_workers
+from .conftest import wait_until
 
 # A guard only (the test extra installs commctx[ray]); found, not imported: every xdist worker imports this module.
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="no ray")]
@@ -104,7 +104,8 @@ def test_trainers_and_rollouts_as_ray_actors():
         server.stop()
 
     # Ray's processes (GCS, raylet, workers) and the server are gone.
-    deadline = time.monotonic() + 20
-    while (left := descendants() - before) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
+    def left() -> set[int]:
+        return descendants() - before
+
+    wait_until(lambda: not left(), 20, lambda: [psutil.Process(p).cmdline() for p in left() if psutil.pid_exists(p)],
+               interval_s=0.2)

@@ -17,15 +17,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from commctx.server.errors import NotFound
 from commctx.common.planning import JobSpec, SeatedNode, Seating
+from commctx.server.errors import NotFound
+from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobEvent, JobState
 from commctx.server.rendezvous.params import JoinParams, job_secret_digest, secret_digest
-from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
 from commctx.server.rendezvous.sqlite import SCHEMA_VERSION, SqliteStore
-from commctx.v1 import rendezvous_pb2 as pb
-from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from commctx.server.rendezvous.store import (
     DeleteJob,
     DeleteMember,
@@ -40,7 +38,10 @@ from commctx.server.rendezvous.store import (
     TrimEvents,
     without_superseded,
 )
+from commctx.v1 import rendezvous_pb2 as pb
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from .conftest import wait_until
 from .etcd import Etcd, etcd_binary
 
 DATA = pathlib.Path(__file__).with_name("data")
@@ -542,10 +543,9 @@ def test_etcd_over_mutual_tls_and_with_a_user(tmp_path):
                          "--etcd-prefix", "/replica", "--etcd-user", "root", env={"COMMCTX_ETCD_PASSWORD": "s3cret-pw"})
         try:
             with grpc.insecure_channel(replica.address) as ch:
-                health, deadline = health_pb2_grpc.HealthStub(ch), time.monotonic() + 15
-                while health.Check(health_pb2.HealthCheckRequest(service="commctx.v1.Rendezvous"), timeout=5).status != 1:
-                    assert time.monotonic() < deadline, replica.log()  # elected, through etcd's authentication
-                    time.sleep(0.05)
+                health = health_pb2_grpc.HealthStub(ch)
+                wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service="commctx.v1.Rendezvous"), timeout=5).status == 1,
+                           15, replica.log)  # elected, through etcd's authentication
                 joined = pb_grpc.RendezvousStub(ch).Join(pb.JoinRequest(
                     job_id="via-replica", spec=pb.JobSpec(world_size=1), node_key="n", address="127.0.0.1", master_port=9),
                     timeout=20, wait_for_ready=True)
