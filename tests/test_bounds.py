@@ -22,7 +22,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
-from .conftest import join_request
+from .conftest import eventually, join_request
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -124,10 +124,10 @@ async def test_a_caller_building_the_biggest_world_it_may_is_refused_past_it_and
             held = WORLD + 2
             more = (PER_CALLER - held) // NODE
             waiting = [asyncio.ensure_future(stub.Join(node_join(f"wait-{i % 2}", nodes, i), timeout=60)) for i in range(more)]
-            deadline = time.monotonic() + 20
-            while await joined(stub, "wait-0", "wait-1") < more:
-                assert time.monotonic() < deadline, "the Joins waiting did not all arrive"
-                await asyncio.sleep(0.05)
+            async def arrived() -> bool:
+                return await joined(stub, "wait-0", "wait-1") >= more
+
+            await eventually(arrived, 20, "the Joins waiting did not all arrive")
             err = await refused(stub.Join(node_join("wait-2", nodes, 0), timeout=10))
             assert err.code() is Code.RESOURCE_EXHAUSTED
             assert err.details() == (f"peer 127.0.0.1 holds {held + more * NODE:,} workers (waiting or placed, all its jobs); "

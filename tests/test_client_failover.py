@@ -31,6 +31,8 @@ from commctx.transport import Endpoints, LeaderStub, Tls
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
+from .conftest import eventually
+
 pytestmark = pytest.mark.timeout(60)
 
 TTL_MS = 1500
@@ -163,14 +165,6 @@ async def replicas() -> AsyncIterator[Callable[..., Awaitable[Replica]]]:
         await replica.stop()
 
 
-async def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.01)
-
-
 def join_request(job_id: str = "ha") -> pb.JoinRequest:
     return pb.JoinRequest(job_id=job_id, spec=pb.JobSpec(world_size=1), node_key="n0", address="127.0.0.1", master_port=29500)
 
@@ -244,7 +238,7 @@ async def test_join_follows_the_hint_of_a_listed_follower(replicas, caplog):
         assert not follower.renewals
     finally:
         await asyncio.to_thread(session.close)
-    assert [(l.member_id, l.member_secret) for l in leader.leaves] == [(session.member_id, leader.joins[0].member_secret)]
+    assert [(left.member_id, left.member_secret) for left in leader.leaves] == [(session.member_id, leader.joins[0].member_secret)]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # finding the leader is no failure
 
 
