@@ -15,8 +15,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 10.0, what: str = "") -> None:
-    """Waits until `check()` is true; fails after `timeout_s`. Instead of sleeps."""
+async def eventually(check: Callable[[], Awaitable[object] | object], timeout_s: float = 10.0,
+                     what: str | Callable[[], object] = "", interval_s: float = 0.01) -> None:
+    """Waits until `check()` (or what it awaits) is true; fails after
+    `timeout_s`, saying `what` (or what a callable `what` returns then)."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = check()
@@ -25,8 +27,8 @@ async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: flo
         if result:
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout_s} s: {what or check}")
-        await asyncio.sleep(0.01)
+            pytest.fail(f"condition not met within {timeout_s} s: {what() if callable(what) else what or check}")
+        await asyncio.sleep(interval_s)
 
 
 def wait_until(check: Callable[[], object], timeout_s: float = 10.0, what: str | Callable[[], object] = "",
