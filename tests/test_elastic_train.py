@@ -22,6 +22,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Proc, Server, running
+from .conftest import wait_until
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -55,16 +56,14 @@ class Trainer(Proc):
 
 def wait_for(trainers: list[Trainer], done, what: str, timeout: float = 60.0) -> float:
     """Pumps until `done()` holds; returns when (wall clock)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def pumped() -> bool:
         for t in trainers:
             t.pump()
-        if done():
-            return time.time()
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {t.name}: {t.steps[-2:]}\n{t.log()[-1500:]}" for t in trainers)
-            raise AssertionError(f"not within {timeout} s: {what}\n{logs}")
-        time.sleep(0.02)
+        return done()
+
+    wait_until(pumped, timeout,
+               lambda: "\n".join([what, *(f"--- {t.name}: {t.steps[-2:]}\n{t.log()[-1500:]}" for t in trainers)]))
+    return time.time()
 
 
 def in_world(t: Trainer, size: int, after: float = 0.0) -> list[dict]:
