@@ -96,7 +96,7 @@ async def test_a_loop_stuck_for_good_reads_not_serving_on_the_health_port(monkey
             answers = []
 
             def probe(at: float) -> None:
-                time.sleep(max(0.0, at - time.monotonic()))
+                time.sleep(max(0.0, at - time.monotonic()))  # the scenario, not a wait for something: ask mid-stall
                 answers.append(stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10).status)
 
             thread = threading.Thread(target=probe, args=(time.monotonic() + 2.5,), daemon=True)

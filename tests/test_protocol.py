@@ -8,10 +8,9 @@ from collections import defaultdict
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from commctx.server import start_server
@@ -561,7 +560,7 @@ async def test_a_member_that_stops_renewing_expires_and_survivors_are_told():
 
             async def renew():
                 while True:
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.1)  # the scenario, not a wait for something: a renewal every 0.1 s
                     await session.write(pb.SessionRequest(job_id="exp", member_id=a.member_id, member_secret=a.member_secret, generation=1))
 
             renewer = asyncio.ensure_future(renew())
