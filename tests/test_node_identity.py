@@ -21,7 +21,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
-from .test_operate import wait_until
+from .conftest import wait_until
 
 WORKER = """
 import json, sys

@@ -215,7 +215,8 @@ def test_the_json_api_lists_runs_that_ended_and_describes_each():
     from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
     from .cluster import Server
-    from .test_operate import join_request, wait_until
+    from .conftest import wait_until
+    from .test_operate import join_request
 
     def get(path: str):
         try:

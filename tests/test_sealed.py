@@ -21,8 +21,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
-from .test_operate import wait_until
-from .conftest import eventually, join_request
+from .conftest import eventually, join_request, wait_until
 
 SECRET = "team-a:9f8e7d6c5b4a"
 Code = grpc.StatusCode

@@ -25,8 +25,8 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .cluster import Server
-from .conftest import eventually, join_request
-from .test_operate import scrape, wait_until
+from .conftest import eventually, join_request, wait_until
+from .test_operate import scrape
 
 pytestmark = pytest.mark.timeout(120)
 A, B, ADMIN = "token-of-team-a-0123456789", "token-of-team-b-0123456789", "token-of-the-operators-0123"

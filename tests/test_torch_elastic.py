@@ -946,7 +946,7 @@ def test_shutdown_closes_the_run(backend, tmp_path):
     node that leaves first (test_workers_drift_fail)."""
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-    from .test_operate import wait_until
+    from .conftest import wait_until
 
     release = tmp_path / "release"
     # A in a process of its own: a worker that B's agent forks while A's forks one
@@ -1035,7 +1035,7 @@ def test_a_dead_node_is_replaced_within_its_lease(backend, tmp_path):
     agents = [a]
     with running(agents):
         if backend.name == "c10d":
-            from .test_operate import wait_until
+            from .conftest import wait_until
 
             wait_until(lambda: port_open(int(backend.endpoint.rsplit(":", 1)[1])), 30, "A hosts c10d's store")
         b = torchrun_cli(backend, "2:2", 1, "agent-b", *args, conf=FAST_KEEP_ALIVE)
@@ -1064,7 +1064,7 @@ def test_a_standby_is_admitted_on_the_next_round(backend):
     """--nnodes=2:2 with handlers: A (here) and B (a process of its own) form the
     world; C (here) waits as a standby; B is killed; A hears of it
     (num_nodes_waiting), and A and C form the next world."""
-    from .test_operate import wait_until
+    from .conftest import wait_until
 
     backend.conf.update(FAST_KEEP_ALIVE)
     report = mp.get_context("forkserver").Queue()

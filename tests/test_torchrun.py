@@ -19,7 +19,7 @@ import pytest
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .cluster import WORKER, Proc, Server, forked_workers, running
-from .test_operate import wait_until
+from .conftest import wait_until
 
 TRAIN = os.path.join(os.path.dirname(WORKER), "torchrun_train.py")
 TTL_S = 3
