@@ -56,31 +56,6 @@ FAST_S = 15.0  # a bound, not a benchmark (two busy cores)
 TOKEN = "fail-fast-token-0123456789"
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """PEM files: a CA, the server's certificate (127.0.0.1, localhost), one for another name,
-    a client certificate from the CA, and a stranger CA with its own client certificate."""
-    import trustme  # here: every xdist worker imports each test module, few run this
-
-    d = tmp_path_factory.mktemp("pki")
-    ca, stranger = trustme.CA(), trustme.CA()
-    files = {}
-
-    def write(name: str, blobs) -> None:
-        files[name] = str(d / f"{name}.pem")
-        with open(files[name], "wb") as f:
-            f.write(b"".join(b.bytes() for b in blobs))
-
-    write("ca", [ca.cert_pem])
-    write("stranger_ca", [stranger.cert_pem])
-    for name, issuer, identities in (("server", ca, ("127.0.0.1", "localhost")), ("other_name", ca, ("example.com",)),
-                                     ("client", ca, ("worker-1",)), ("stranger", stranger, ("worker-x",))):
-        cert = issuer.issue_cert(*identities)
-        write(f"{name}_cert", cert.cert_chain_pems)
-        write(f"{name}_key", [cert.private_key_pem])
-    return files
-
-
 class _Quiet(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
         self.send_response(200)

@@ -22,31 +22,6 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 from .cluster import Server
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """PEM files: a CA, the server's certificate (127.0.0.1, localhost), a
-    client certificate from the same CA, and a stranger CA with its own client."""
-    import trustme  # here: every xdist worker imports each test module, few run this
-
-    d = tmp_path_factory.mktemp("pki")
-    ca, stranger = trustme.CA(), trustme.CA()
-    files = {}
-
-    def write(name: str, blobs) -> None:
-        files[name] = str(d / f"{name}.pem")
-        with open(files[name], "wb") as f:
-            f.write(b"".join(b.bytes() for b in blobs))
-
-    write("ca", [ca.cert_pem])
-    write("stranger_ca", [stranger.cert_pem])
-    for name, issuer, identities in (("server", ca, ("127.0.0.1", "localhost")), ("client", ca, ("worker-1",)),
-                                     ("stranger", stranger, ("worker-x",))):
-        cert = issuer.issue_cert(*identities)
-        write(f"{name}_cert", cert.cert_chain_pems)
-        write(f"{name}_key", [cert.private_key_pem])
-    return files
-
-
 def read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
