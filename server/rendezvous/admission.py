@@ -302,14 +302,13 @@ class Admission:
         seats = job.spec.world_size
         if job.units < seats:
             return
-        mine = [m for mid, m in job.members.items() if m.caller == caller.key]
-        seated = any(job.in_world(mid) for mid, m in job.members.items() if m.caller == caller.key)
-        standbys = sum(1 for mid, m in job.members.items() if m.caller == caller.key and not job.in_world(mid))
+        in_world = [job.in_world(mid) for mid, m in job.members.items() if m.caller == caller.key]  # the caller's members
+        seated, standbys = any(in_world), in_world.count(False)
         cap = seats if seated else max(1, seats // 2)
         if standbys >= cap or (not seated and job.units >= 2 * seats):
             raise Full(f"job {job.job_id!r} has all {seats} nodes and {job.units - seats} standbys, {standbys} of them "
                        f"{caller.shown}'s, which {'holds seats in it' if seated else 'holds no seat in it'}: at most {cap} "
-                       f"(node {p.node_key!r}; {len(mine)} members of this caller)")
+                       f"(node {p.node_key!r}; {len(in_world)} members of this caller)")
 
     @staticmethod
     def _check_node(job: Job, node: Node, p: JoinParams) -> None:

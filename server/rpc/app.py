@@ -89,6 +89,11 @@ class RendezvousServer:
         return self._current().machine
 
     @property
+    def limits(self) -> Limits:
+        """What the server holds at most (every term's machine has these)."""
+        return self._limits
+
+    @property
     def executor(self) -> Executor:
         return self._current().executor
 

@@ -193,7 +193,7 @@ class WebServer:
     async def _about(self, request: web.Request) -> web.Response:
         return _json({"auth": self._callers is not None, "leading": self._server.term is not None,
                       "leader": self._server.leader or None, "open_to_network": self.open_to_network,
-                      "warnings": list(self.warnings), "retain_ended_s": self._server._limits.retain_ended_s})
+                      "warnings": list(self.warnings), "retain_ended_s": self._server.limits.retain_ended_s})
 
     # -- the API -------------------------------------------------------------------------
 
