@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -39,6 +40,7 @@ log = logging.getLogger("commctx.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Rendezvous"].full_name
 RENDEZVOUS_METHODS = frozenset(f"/{SERVICE_NAME}/{m.name}" for m in pb.DESCRIPTOR.services_by_name["Rendezvous"].methods)
+EPOCH_KEY = "commctx-epoch"  # trailing metadata: the epoch of the leader that answered
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -52,6 +54,12 @@ class Term:
     waiters: Waiters
     executor: Executor
     servicer: RendezvousServicer
+    epoch: int
+
+    @functools.cached_property
+    def stamp(self) -> tuple[tuple[str, str], ...]:
+        """The trailing metadata of every answer of this term: the writer's epoch (the fencing token)."""
+        return ((EPOCH_KEY, str(self.epoch)),)
 
 
 class RendezvousServer:
@@ -121,7 +129,7 @@ class RendezvousServer:
         executor.submit(actions)
         servicer = RendezvousServicer(machine, executor, waiters, self.telemetry.rpc_error, self._callers,
                                       self.telemetry.session_ended)
-        self.term, self.leader = Term(machine, waiters, executor, servicer), ""
+        self.term, self.leader = Term(machine, waiters, executor, servicer, epoch), ""
         self._tasks.append(asyncio.ensure_future(self._set_health(SERVING)))
 
     async def end_term(self, leader: str = "") -> None:
@@ -204,13 +212,15 @@ class Router(pb_grpc.RendezvousServicer):
         self._server = server
 
     def _servicer(self, context: grpc.aio.ServicerContext, method: str) -> RendezvousServicer | None:
-        """The term's servicer; None once the call is answered NOT_LEADER (return None then)."""
+        """The term's servicer, its epoch set as the answer's trailing metadata (an error answer
+        replaces it); None once the call is answered NOT_LEADER (return None then)."""
         term = self._server.term
         if term is None or not self._server.leading():
             status = codec.error_status(self._server.not_leader())
             self._server.telemetry.rpc_error(method, status.code.name)
             codec.answer_error(context, status)
             return None
+        context.set_trailing_metadata(term.stamp)
         return term.servicer
 
 
