@@ -13,7 +13,7 @@ from commctx.server import start_server
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .waiting import eventually, holds_for, wait_until  # noqa: F401 - the tests' pollers, imported from here
+from .waiting import consistently, eventually, holds_for, wait_until  # noqa: F401 - the tests' pollers, imported from here
 
 # The console scripts this suite runs (commctx, commctx-server, grpcurl,
 # hadolint, check-jsonschema) live beside the interpreter running it, e.g.

@@ -19,7 +19,7 @@ from commctx.server.rendezvous.model import Limits
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .conftest import eventually
+from .conftest import consistently, eventually
 from .conftest import join_request as _join_request
 from .test_protocol import next_event
 
@@ -204,7 +204,12 @@ async def test_connections_cut_at_their_age_remove_nobody():
 
         before = cut()
         await eventually(lambda: cut() >= before + 6, 20, "the connections were not cut")  # every session cut twice, and reconnected
-        await asyncio.sleep(GRACE + 0.5)  # time that must pass, not a wait for something: past the grace of the last cut
+        def seated() -> bool:
+            job = server.machine.describe("aged")
+            return (job.generation, job.joined) == (1, 3) and all(s.world_change is None for s in sessions)
+
+        # Time that must pass: past the grace of the last cut, asked throughout, nobody is removed or told of a change.
+        await consistently(seated, GRACE + 0.5, "the world of 3 at generation 1, no session told of a change")
         job = server.machine.describe("aged")
         assert (job.generation, job.joined) == (1, 3)
         assert all(s.world_change is None for s in sessions)

@@ -1,8 +1,9 @@
 """Waiting for the thing, not sleeping: the test suite's pollers.
 
 `wait_until` (sync) and `eventually` (async) poll a condition until it holds
-and fail after a timeout; `holds_for` is the negative check over time that
-must pass (past a lease): it asks throughout and fails at the first miss. Free
+and fail after a timeout; `holds_for` (sync) and `consistently` (async) are the
+negative check over time that must pass (past a lease): they ask throughout
+and fail at the first miss. Free
 of side effects on import (tests/etcd.py, which benchmarks reuse, imports it);
 tests/conftest.py re-exports them."""
 
@@ -56,3 +57,20 @@ def holds_for(check: Callable[[], object], seconds: float, what: str = "", inter
         if time.monotonic() >= deadline:
             return
         time.sleep(interval_s)
+
+
+async def consistently(check: Callable[[], Awaitable[object] | object], seconds: float, what: str = "",
+                       interval_s: float = 0.1) -> None:
+    """The async holds_for: `check()` (or what it awaits) stays truthy for
+    `seconds`, asked every `interval_s` without blocking the event loop (an
+    in-process server keeps serving); fails at its first miss."""
+    deadline = time.monotonic() + seconds
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if not result:
+            pytest.fail(f"no longer true after {seconds - (deadline - time.monotonic()):.1f} s: {what or check}")
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(interval_s)
