@@ -63,7 +63,7 @@ class Replica:
         # Until when this replica may be sure of its election lease (the keeper
         # thread moves it on with each renewal etcd confirms): past it, another
         # replica may lead, so this one answers nothing (RendezvousServer.leading).
-        self.trusted_until = -math.inf
+        self.trusted_until: float | None = None  # None: not yet, no lease granted
 
     async def __call__(self, server: RendezvousServer) -> None:
         mirror = asyncio.create_task(self._mirror(), name="commctx-etcd-mirror")
@@ -164,7 +164,7 @@ class Replica:
 
     def certain(self) -> bool:
         """Whether this replica leads and its election lease is surely still its own."""
-        return self.role == "leader" and self._clock() < self.trusted_until
+        return self.role == "leader" and self.trusted_until is not None and self._clock() < self.trusted_until
 
     async def _follow(self, server: RendezvousServer, leader: str, keeper: asyncio.Task) -> None:
         """Points callers at `leader` until the leader key changes."""

@@ -9,14 +9,14 @@ import threading
 
 import pytest
 
-from commctx.server.errors import NotFound, Unavailable
 from commctx.common.planning import JobSpec
+from commctx.server.errors import NotFound, Unavailable
 from commctx.server.rendezvous.executor import Executor
-from commctx.server.rendezvous.waiting import Waiters
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobState, MemberGone, NewWorld
 from commctx.server.rendezvous.params import JoinParams
 from commctx.server.rendezvous.store import Fenced, MemoryStore, StoreError
+from commctx.server.rendezvous.waiting import Waiters
 
 from .conftest import eventually
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from .model import JobEvent, Note, PlanRequest, SessionEvent, WaitOutcome
 from .store import Write
 
+SLICE = 50  # pushes or wakes between two yields of the event loop: each wakes a coroutine that runs in the next turn
+
 
 class Actions:
     """What a transition implies, for the executor to carry out in this order:

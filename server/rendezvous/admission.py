@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 
 from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refusal, Sealed, Stale
 from .actions import Actions
@@ -185,7 +184,7 @@ class Admission:
             return joined, actions, None
         if job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
             return joined, actions, None
-        member.lease, member.lease_deadline = Lease.IN_JOIN, math.inf  # bound to this call again
+        member.lease, member.lease_deadline = Lease.IN_JOIN, None  # bound to this call again
         if member.port != p.port:
             member.port = p.port
             job.version += 1

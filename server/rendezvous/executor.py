@@ -27,20 +27,19 @@ import math
 from collections.abc import Callable
 
 from ..errors import Unavailable
+from .actions import SLICE
+from .deadlines import Deadline
 from .machine import Actions, Rendezvous, plan_or_error
 from .model import Note, PlanRequest
 from .store import Fenced, Store, StoreError, without_superseded
-from .waiting import SLICE, Waiters
+from .waiting import Waiters
 from .watching import Watchers
 
 log = logging.getLogger("commctx.server")
 
-# Deadlines are served on ticks of this length. 10 ms: a lease or grace that
-# runs out is acted on within 10 ms (with 50 ms ticks a 1,000-member re-form's
-# first assignment came 49 ms after the lease, median, against 15 ms now), and
-# outside an expiry storm the timer fires at most 100 times a second, however
-# many leases are due (keep-alive CPU at 10,000 members unchanged).
-# docs/benchmarks.md has the runs.
+# Deadlines are served on ticks of this length: a lease or grace that runs out
+# is acted on within a tick, and outside an expiry storm the timer fires at
+# most once a tick however many leases are due (docs/benchmarks.md).
 TICK_S = 0.01
 
 
@@ -76,14 +75,15 @@ class Executor:
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
+        self._timer_at: Deadline | None = None  # the machine's deadline the armed timer serves (None: none)
+        self._storm = False  # the armed timer runs at once: an expiry storm goes on, no deadline moves it
         self._failing = False
         self._failing_why = ""
         self._busy = False  # a batch is being carried out
         self._planning: set[asyncio.Task] = set()
-        # One world planned at a time: each planning thread takes the GIL from the
-        # event loop in turn (a Join storm re-planning a 100,000-worker job held
-        # it 150-290 ms with several at once; benchmarks/bounds.py).
+        # One world planned at a time: each planning thread takes the GIL from
+        # the event loop in turn, and several at once would hold it for long
+        # stretches (benchmarks/bounds.py).
         self._planner = asyncio.Lock()
         self.fenced: Fenced | None = None
         self._closed: Exception | None = None  # what carry_out raises once nothing more is carried out
@@ -262,7 +262,7 @@ class Executor:
 
     def _rearm(self) -> None:
         at = self._machine.next_deadline()
-        if at >= self._timer_at or at == math.inf:
+        if at is None or self._storm or (self._timer_at is not None and at >= self._timer_at):
             return
         loop = asyncio.get_running_loop()
         delay = max(0.0, at - self._machine.now())
@@ -272,11 +272,11 @@ class Executor:
         self._timer, self._timer_at = loop.call_at(fire_at, self._fire), at
 
     def _fire(self) -> None:
-        self._timer, self._timer_at = None, math.inf
+        self._timer, self._timer_at, self._storm = None, None, False
         actions, more = self._machine.expire_due()
         if actions:
             self._enqueue(actions, None)
         if more:  # an expiry storm: the rest after other work has had the loop
-            self._timer, self._timer_at = asyncio.get_running_loop().call_soon(self._fire), -math.inf
+            self._timer, self._storm = asyncio.get_running_loop().call_soon(self._fire), True
         else:
             self._rearm()

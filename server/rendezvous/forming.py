@@ -118,7 +118,7 @@ class Forming:
         job.announced = False
         stale_before = now + self.lease_ttl_s / 2
         job.suspects = {mid for mid in job.survivors()
-                        if job.members[mid].lease_deadline < stale_before or (confirmed is not None and mid != confirmed)}
+                        if _stale(job.members[mid].lease_deadline, stale_before) or (confirmed is not None and mid != confirmed)}
         actions.notes.append(Note("reforming", {"job": job.job_id, "generation": job.generation, "reason": reason}))
         self._event(job, EventKind.REFORMING, f"generation {job.generation} is re-forming: {reason}", actions, reason=reason)
         self._maybe_form(job, actions)
@@ -385,3 +385,8 @@ class Forming:
         if job.state is JobState.FORMING and job.spec.min_size is not None and not job.last_call_armed:
             job.last_call_armed = True
             self._last_calls.push(job.last_arrival + job.spec.last_call_s, job.job_id)
+
+
+def _stale(deadline: float | None, before: float) -> bool:
+    """Whether a lease running out at `deadline` was not renewed lately (its deadline is before `before`)."""
+    return deadline is not None and deadline < before

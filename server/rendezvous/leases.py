@@ -10,11 +10,11 @@ file; the state is the machine's."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 
 from ..errors import BadRequest, Stale
 from .actions import Actions
+from .deadlines import Deadline, earliest
 from .model import (
     BROKE_OFF,
     DISCONNECTED,
@@ -327,9 +327,9 @@ class Leases:
         self._remove(job, member_id, "left", actions)
         return actions
 
-    def next_deadline(self) -> float:
-        """The earliest time (on the injected clock) at which `expire_due` may have work."""
-        return min(self._leases.next(), self._last_calls.next(), self._tombstones.next())
+    def next_deadline(self) -> Deadline | None:
+        """The earliest time (on the injected clock) at which `expire_due` may have work (None: nothing is due ever)."""
+        return earliest(self._leases.next(), self._last_calls.next(), self._tombstones.next())
 
     def expire_due(self, limit: int = 1000) -> tuple[Actions, bool]:
         """Removes members whose lease ran out, forms elastic worlds whose last
@@ -356,7 +356,7 @@ class Leases:
             member = job.members.get(member_id) if job is not None else None
             if member is None or entry[0] != member.queued:
                 continue  # gone, or a stale entry (its live one is earlier or later)
-            member.queued = math.inf
+            member.queued = None
             if member.lease is Lease.IN_JOIN:
                 continue  # bound to a Join call again
             if member.lease_deadline > now:
@@ -375,7 +375,8 @@ class Leases:
                 else:
                     self._maybe_form(job, actions)
         self._forget_due(now, actions)
-        return actions, self.next_deadline() <= now
+        due = self.next_deadline()
+        return actions, due is not None and due <= now
 
     def _remove(self, job: Job, member_id: str, why: str, actions: Actions) -> None:
         member = job.members.pop(member_id)
@@ -460,23 +461,23 @@ class Leases:
         """Makes sure the lease heap holds an entry for the member due by
         `deadline`: pushed only when its live entry is due later (a stretched
         first lease, a grace shorter than the lease), so a renewal costs no push."""
-        if deadline < member.queued:
+        if member.queued is None or deadline < member.queued:
             member.queued = deadline
             self._leases.push(deadline, (job_id, member_id))
 
-    def _oldest_lease(self) -> float:
-        """The earliest lease deadline, bringing stale heap entries up to date on the way."""
-        while (top := self._leases.next()) != math.inf:
+    def _oldest_lease(self) -> Deadline | None:
+        """The earliest lease deadline (None: no lease runs), bringing stale heap entries up to date on the way."""
+        while (top := self._leases.next()) is not None:
             entry = self._leases.pop_due(top)
             job_id, member_id = entry[1]
             job = self._jobs.get(job_id)
             member = job.members.get(member_id) if job is not None else None
             if member is None or entry[0] != member.queued:
                 continue
-            member.queued = math.inf
+            member.queued = None
             if member.lease is Lease.IN_JOIN:
                 continue
             self._queue(job_id, member_id, member, member.lease_deadline)
             if member.lease_deadline == top:
                 return top
-        return math.inf
+        return None

@@ -8,12 +8,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from commctx.common.planning import Candidate, JobSpec, Placement, PlannedGroup, WorldPlan
 
+from .deadlines import Deadline
 from .params import JoinParams, role_counts
 
 
@@ -233,8 +233,8 @@ class Member:
         self.role = p.role
         self.seq = seq  # join order, kept across restarts
         self.lease = Lease.IN_JOIN
-        self.lease_deadline = math.inf  # when the lease runs out (IN_JOIN: never: its Join call binds it)
-        self.queued = math.inf  # the deadline of its live entry in the lease heap (later entries are stale)
+        self.lease_deadline: Deadline | None = None  # when the lease runs out (None: IN_JOIN, its Join call binds it)
+        self.queued: Deadline | None = None  # the deadline of its live entry in the lease heap (later entries are stale)
         self.generation = 0  # the latest generation its session said it holds
         self.session: Any = None  # the open session's sink (the executor puts events in it)
         self.secret = p.secret  # digest of its secret ("": none)

@@ -10,7 +10,6 @@ import bisect
 import dataclasses
 import itertools
 import logging
-import math
 from collections.abc import Iterable
 
 from commctx.common.planning import WorldPlan, elide
@@ -194,7 +193,7 @@ class Views:
             members += job.workers  # workers, as `waiting`: a node membership counts its workers
             waiting += job.workers - job.placed
         oldest = self._oldest_lease()
-        age = 0.0 if oldest == math.inf else max(0.0, self._clock() - (oldest - self.lease_ttl_s))
+        age = 0.0 if oldest is None else max(0.0, self._clock() - (oldest - self.lease_ttl_s))
         return Stats(len(self._jobs), members, waiting, age)
 
     def _unseal(self, job_id: str, seal: str, secret: str | None, caller: Caller, what: str) -> None:

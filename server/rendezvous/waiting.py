@@ -15,22 +15,29 @@ deadlines; the executor wakes them with each world, stopped job or gone member.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ..errors import Closed, Conflict, NotFound, Unavailable, WaitTimeout
-from .actions import Actions
-from .deadlines import Deadlines
+from .actions import SLICE, Actions
+from .deadlines import Deadline, Deadlines
 from .model import JobStopped, Joined, MemberGone, NewWorld, WaitOutcome
 from .params import JoinParams, secret_digest
 from .shares import WAITING, Caller
 
 if TYPE_CHECKING:
-    from .executor import Executor
     from .machine import Rendezvous
 
-SLICE = 50  # pushes or wakes between two yields of the event loop: each wakes a coroutine that runs in the next turn
+
+class Carrier(Protocol):
+    """What carries out the machine's actions for a Join (the executor, executor.py,
+    which imports this module: named here by what it does, not by its class)."""
+
+    def submit(self, actions: Actions) -> None: ...
+
+    async def carry_out(self, actions: Actions) -> None: ...
+
+    async def settled(self) -> None: ...
 
 
 class Placed(NamedTuple):
@@ -44,7 +51,7 @@ class Placed(NamedTuple):
 class Joining:
     """The domain's Join over a machine, its executor and its waiters."""
 
-    def __init__(self, machine: Rendezvous, executor: Executor, waiters: Waiters) -> None:
+    def __init__(self, machine: Rendezvous, executor: Carrier, waiters: Waiters) -> None:
         self._machine = machine
         self._executor = executor
         self._waiters = waiters
@@ -153,7 +160,7 @@ class Waiters:
         self._by_job: dict[str, dict[str, asyncio.Future[NewWorld]]] = {}
         self._deadlines = Deadlines()  # (job id, member id, id of the future)
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
+        self._timer_at: Deadline | None = None  # when the armed timer fires, on the loop's clock (None: none armed)
         self._live = 0  # waiting futures
 
     def add(self, job_id: str, member_id: str, timeout_s: float | None) -> asyncio.Future[NewWorld]:
@@ -172,7 +179,7 @@ class Waiters:
         if timeout_s is not None:
             at = loop.time() + timeout_s
             self._deadlines.push(at, (job_id, member_id, id(future)))
-            if at < self._timer_at:
+            if self._timer_at is None or at < self._timer_at:
                 self._arm(loop, at)
         return future
 
@@ -237,12 +244,13 @@ class Waiters:
         self._timer, self._timer_at = loop.call_at(at, self._expire, loop), at
 
     def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._timer, self._timer_at = None, math.inf
+        self._timer, self._timer_at = None, None
         now = loop.time()
         while (entry := self._deadlines.pop_due(now)) is not None:
             job_id, member_id, key = entry[1]
             future = self._by_job.get(job_id, {}).get(member_id)
             if future is not None and id(future) == key and not future.done():
                 future.set_exception(TimeoutError())
-        if self._deadlines.next() < math.inf:
-            self._arm(loop, self._deadlines.next())
+        at = self._deadlines.next()
+        if at is not None:
+            self._arm(loop, at)

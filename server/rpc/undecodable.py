@@ -6,7 +6,6 @@ of codec.py, which re-exports them (codec.Undecodable, codec.tolerant)."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 
@@ -34,10 +33,11 @@ class LimitedLog:
     """At most one log line per `every_s` seconds, counting what it held back."""
 
     def __init__(self, every_s: float = 60.0) -> None:
-        self.every_s, self.last, self.held = every_s, -math.inf, 0
+        self.every_s, self.held = every_s, 0
+        self.last: float | None = None  # when the last line was logged (None: never)
 
     def __call__(self, now: float, message: str) -> None:
-        if now - self.last >= self.every_s:
+        if self.last is None or now - self.last >= self.every_s:
             log.warning("undecodable_requests", extra={"fields": {"example": message, "more_since_last_line": self.held}})
             self.last, self.held = now, 0
         else:
