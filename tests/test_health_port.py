@@ -21,10 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.server import start_server
-from commctx.server.rendezvous.store import Fenced, MemoryStore, StoreError
+from commctx.server.rendezvous.store import Fenced, StoreError
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .conftest import eventually, join_request
+from .stores import DictStore as MemoryStore  # the contract tests' reference store, keeping records
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE = "commctx.v1.Rendezvous"

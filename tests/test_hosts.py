@@ -11,10 +11,10 @@ from commctx.server.errors import AlreadyExists, BadRequest, Conflict, Full
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import DISCONNECTED, JobState
 from commctx.server.rendezvous.params import JoinParams, Slot
-from commctx.server.rendezvous.store import MemoryStore
 from commctx.server.rpc import codec
 from commctx.v1 import rendezvous_pb2 as pb
 
+from .stores import DictStore as MemoryStore  # the contract tests' reference store, keeping records
 from .test_machine import TTL, FakeClock, elastic, pushed, sessions, worlds
 
 HOST = "ab" * 8  # a client-chosen member id

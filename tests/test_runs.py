@@ -12,8 +12,9 @@ from commctx.server.errors import Conflict, NotFound
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobState, Limits
 from commctx.server.rendezvous.params import JoinParams
-from commctx.server.rendezvous.store import DeleteJob, MemoryStore, PutEvent, PutJob
+from commctx.server.rendezvous.store import DeleteJob, PutEvent, PutJob
 
+from .stores import DictStore as MemoryStore  # the contract tests' reference store, keeping records
 from .test_machine import TTL, FakeClock, join, params, sessions
 
 

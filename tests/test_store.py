@@ -1,7 +1,8 @@
-"""Contract tests every store passes (memory, SQLite, and any future one):
-round trips, ordered writes, and fencing. Plus SQLite's own: the schema
-migration from the first release's file, errors that name the path, and the
-state directory's lock (one store on a directory at a time)."""
+"""Contract tests every store passes (the reference that keeps records in
+dicts, SQLite, etcd, and any future one): round trips, ordered writes, and
+fencing; `--store memory`'s, which keeps nothing. Plus SQLite's own: the
+schema migration from the first release's file, errors that name the path,
+and the state directory's lock (one store on a directory at a time)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import JobEvent, JobState
 from commctx.server.rendezvous.params import JoinParams, job_secret_digest, secret_digest
-from commctx.server.rendezvous.sqlite import SCHEMA_VERSION, SqliteStore
+from commctx.server.rendezvous.sqlite import SCHEMA_VERSION, SqliteStore, lock_directory
 from commctx.server.rendezvous.store import (
     DeleteJob,
     DeleteMember,
@@ -43,6 +44,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from .conftest import wait_until
 from .etcd import Etcd, etcd_binary
+from .stores import DictStore
 
 DATA = pathlib.Path(__file__).with_name("data")
 
@@ -56,13 +58,13 @@ def etcd():
     server.close()
 
 
-@pytest.fixture(params=["memory", "sqlite", "etcd"])
+@pytest.fixture(params=["dicts", "sqlite", "etcd"])
 def make_store(request, tmp_path):
     """A factory: calling it again opens the same store anew (a restart, or a second server).
 
     A second SQLite store on the directory while the first is open is refused
-    (its lock); `second_writer=True` opens one past the lock, for the fencing
-    test's two writers on one file."""
+    (its lock); `second_writer=True` opens one that takes no lock, for the
+    fencing test's two writers on one file."""
     opened = []
     if request.param == "etcd":
         endpoint = request.getfixturevalue("etcd").endpoint
@@ -71,20 +73,30 @@ def make_store(request, tmp_path):
     def make(second_writer: bool = False):
         if request.param == "etcd":
             s = EtcdStore(EtcdConfig((endpoint,), prefix=prefix))
-        elif request.param == "memory":
-            s = MemoryStore()
+        elif request.param == "dicts":
+            s = DictStore()
         else:
-            s = SqliteStore(tmp_path / "state", _bypass_lock_for_fencing_tests=second_writer)
+            s = SqliteStore(tmp_path / "state", lock=no_lock if second_writer else lock_directory)
         opened.append(s)
         return s
 
-    if request.param == "memory":  # memory survives only within the process: share one
+    if request.param == "dicts":  # dicts survive only within the process: share one
         shared = make()
         yield lambda second_writer=False: shared
     else:
         yield make
     for s in opened:
         s.close()
+
+
+def no_lock(directory: pathlib.Path) -> None:
+    """A directory lock that takes nothing: a second writer on the file, fenced by the epoch alone."""
+
+
+def test_the_store_of_store_memory_keeps_nothing():
+    s = MemoryStore()
+    s.commit([PutJob(JobRecord("j", SPEC, "forming", 0, "", None))], s.take_over())
+    assert s.load() == []
 
 
 SPEC = JobSpec.from_json({
@@ -215,7 +227,7 @@ def test_a_job_put_again_in_one_commit_is_written_once_with_the_same_result(make
     kept = without_superseded(writes)
     assert kept == [writes[1], writes[3], writes[4], writes[5]]
     assert without_superseded(kept) is kept  # nothing to drop: the same list
-    s, reference = make_store(), MemoryStore()
+    s, reference = make_store(), DictStore()
     s.commit(kept, s.take_over())
     reference.commit(writes, reference.take_over())
     s.close()
@@ -471,7 +483,7 @@ def test_etcd_splits_big_batches_into_fenced_transactions_with_the_same_result(e
     writes += [PutJob(JobRecord("k", SPEC, "forming", 0, "", None)), PutMember("k", member("k1", 40)), DeleteJob("k"),
                PutJob(JobRecord("k", SPEC, "forming", 0, "again", None)), PutMember("k", member("k2", 41))]
     writes += [PutMember("j", member(f"n{i}", 50 + i)) for i in range(20)]
-    reference = MemoryStore()
+    reference = DictStore()
     reference.commit(writes, reference.take_over())
     store = EtcdStore(EtcdConfig((etcd.endpoint,), prefix=f"/{tmp_path.name}", max_txn_ops=4))
     try:

@@ -41,9 +41,9 @@ import pathlib
 import socket
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from commctx.common.planning import Candidate, PlanError, seat
+from commctx.common.planning import Candidate, JobSpec, PlanError, seat
 
 from .model import JobEvent
 from .store import (
@@ -104,17 +104,67 @@ _DELETE_MEMBER = "DELETE FROM members WHERE job_id = ? AND member_id = ?"
 _PUT_EVENT = "INSERT OR REPLACE INTO events (job_id, seq, time, kind, generation, message, fields) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
+def lock_directory(directory: pathlib.Path) -> int:
+    """Takes the state directory's lock: an exclusive, non-blocking flock on
+    its lock file, recording this process's PID and host in it. Returns the
+    file's descriptor, which holds the lock until it is closed.
+
+    flock belongs to the open file description, so a second open of the file
+    in this same process conflicts too; a holder that dies releases it.
+
+    Raises:
+        StoreError: another holder has it (named by the PID it recorded).
+        OSError: the lock file cannot be opened or written.
+    """
+    path = directory / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise StoreError(f"state directory {directory} is in use by {_holder(fd)}; "
+                             f"give another --state-dir, or stop that one") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its file records it: 'commctx-server pid 1234
+    (another server)', with its host when that is another one."""
+    try:
+        recorded = os.pread(fd, 512, 0).decode("utf-8", "replace").split()
+    except OSError:
+        recorded = []
+    if not recorded or not recorded[0].isdigit():
+        return "another commctx-server (its pid not recorded yet)"
+    pid, host = recorded[0], recorded[1] if len(recorded) > 1 else ""
+    if host and host != socket.gethostname():
+        return f"commctx-server pid {pid} on host {host[:64]} (another server)"
+    if pid == str(os.getpid()):
+        return f"commctx-server pid {pid} (this process: another store on it is open)"
+    return f"commctx-server pid {pid} (another server)"
+
+
 class SqliteStore(Store):
     """SQLite in WAL mode at `state_dir`/commctx.sqlite3."""
 
     blocking = True
 
-    def __init__(self, state_dir: str | pathlib.Path, *, _bypass_lock_for_fencing_tests: bool = False) -> None:
+    def __init__(self, state_dir: str | pathlib.Path, *,
+                 lock: Callable[[pathlib.Path], int | None] = lock_directory) -> None:
         """Locks the state directory, then opens (creating or migrating) the database.
 
-        `_bypass_lock_for_fencing_tests` opens the database without the lock:
-        only tests use it, to put two writers on one file and check that the
-        epoch fences the older one.
+        Args:
+            lock: takes the directory's lock and returns the descriptor that
+                holds it until the store closes (None: it holds nothing). One
+                that holds nothing opens a second writer on a file, which only
+                the epoch then fences.
 
         Raises:
             StoreError: the directory is in use by another store (the message
@@ -128,8 +178,7 @@ class SqliteStore(Store):
         self._dir_lock: int | None = None  # the locked file's descriptor, held open while the store is
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            if not _bypass_lock_for_fencing_tests:
-                self._dir_lock = _lock_directory(directory)
+            self._dir_lock = lock(directory)
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=5.0)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -241,53 +290,6 @@ class SqliteStore(Store):
         return self._db
 
 
-def _lock_directory(directory: pathlib.Path) -> int:
-    """Takes the state directory's lock: an exclusive, non-blocking flock on
-    its lock file, recording this process's PID and host in it. Returns the
-    file's descriptor, which holds the lock until it is closed.
-
-    flock belongs to the open file description, so a second open of the file
-    in this same process conflicts too; a holder that dies releases it.
-
-    Raises:
-        StoreError: another holder has it (named by the PID it recorded).
-        OSError: the lock file cannot be opened or written.
-    """
-    path = directory / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise StoreError(f"state directory {directory} is in use by {_holder(fd)}; "
-                             f"give another --state-dir, or stop that one") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _holder(fd: int) -> str:
-    """Who holds the lock, as its file records it: 'commctx-server pid 1234
-    (another server)', with its host when that is another one."""
-    try:
-        recorded = os.pread(fd, 512, 0).decode("utf-8", "replace").split()
-    except OSError:
-        recorded = []
-    if not recorded or not recorded[0].isdigit():
-        return "another commctx-server (its pid not recorded yet)"
-    pid, host = recorded[0], recorded[1] if len(recorded) > 1 else ""
-    if host and host != socket.gethostname():
-        return f"commctx-server pid {pid} on host {host[:64]} (another server)"
-    if pid == str(os.getpid()):
-        return f"commctx-server pid {pid} (this process: another store on it is open)"
-    return f"commctx-server pid {pid} (another server)"
-
-
 def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
     """Executes `writes` in order; consecutive writes of one kind go as one executemany."""
     start = 0
@@ -367,12 +369,12 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
 
     Version 1 stored each spec as the wire message's bytes and each world as
     the planner's input (positional tuples); later versions store named fields
-    and the seating itself. Only this migration reads the wire format, so the
-    codec is imported here, not at module level.
+    and the seating itself. Only this migration reads the wire format, so its
+    message is imported here, not at module level.
     """
-    from commctx.v1 import rendezvous_pb2 as pb
+    from google.protobuf import json_format
 
-    from ..rpc.codec import spec_from_message
+    from commctx.v1 import rendezvous_pb2 as pb
 
     old_members = db.execute(
         "SELECT job_id, member_id, seq, node_key, address, master_port, local_rank, node_rank, role FROM members").fetchall()
@@ -385,7 +387,8 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
     consumed: set[tuple[str, str]] = set()  # (job, member) whose port rank 0's TCPStore holds
     jobs = []
     for job_id, spec_bytes, state, generation, reason, world_json in old_jobs:
-        spec = spec_from_message(pb.JobSpec.FromString(spec_bytes))
+        message = pb.JobSpec.FromString(spec_bytes)
+        spec = JobSpec.from_json(json_format.MessageToDict(message, preserving_proto_field_name=True))
         inputs = [Candidate(*fields) for fields in json.loads(world_json)]
         world = None
         if inputs:

@@ -1,5 +1,5 @@
 """Where the rendezvous state lives between restarts: the store's records, its
-write vocabulary, the fencing contract, and the in-memory stores.
+write vocabulary, the fencing contract, and the store of `--store memory`.
 
 The state machine returns the writes each transition implies (`PutJob`,
 `PutMember`, `DeleteMember`, `DeleteJob`, and `PutEvent`, `TrimEvents` for a
@@ -14,10 +14,10 @@ epoch and fences every earlier one; `commit(writes, epoch)` raises `Fenced`
 once another writer has taken over. (SQLite: an epoch row checked inside the
 write transaction. etcd: a transaction comparing the leader key's revision.)
 
-`NullStore` keeps nothing (the server's `--store memory`: the state machine's
-own structures are the state); `MemoryStore` keeps the records in this
-process (the reference implementation of the contract tests); `SqliteStore`
-(sqlite.py) keeps them in a file.
+`MemoryStore` is the server's `--store memory`: it keeps nothing, the state
+machine's own structures being the state. `SqliteStore` (sqlite.py) keeps the
+records in a file, `EtcdStore` (etcd.py) in etcd; tests/stores.py holds the
+contract tests' reference, which keeps them in dicts.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ class Store:
         """Releases the store. Idempotent."""
 
 
-class NullStore(Store):
-    """Keeps nothing: state lives only in the server's memory."""
+class MemoryStore(Store):
+    """The server's `--store memory`: the state lives in the state machine's
+    memory alone, so this store keeps nothing and a restart starts empty."""
 
     def take_over(self) -> int:
         return 1
@@ -158,49 +159,6 @@ class NullStore(Store):
 
     def commit(self, writes: Sequence[Write], epoch: int) -> None:
         pass
-
-
-class MemoryStore(Store):
-    """Keeps records in this process; shared by the "restarts" of contract tests."""
-
-    def __init__(self) -> None:
-        self._jobs: dict[str, JobRecord] = {}
-        self._members: dict[str, dict[str, MemberRecord]] = {}
-        self._events: dict[str, dict[int, JobEvent]] = {}
-        self._epoch = 0
-
-    def take_over(self) -> int:
-        self._epoch += 1
-        return self._epoch
-
-    def commit(self, writes: Sequence[Write], epoch: int) -> None:
-        if epoch != self._epoch:
-            raise Fenced(f"epoch {epoch} was fenced by epoch {self._epoch}")
-        for w in writes:
-            if isinstance(w, PutMember):
-                self._members.setdefault(w.job_id, {})[w.record.member_id] = w.record
-            elif isinstance(w, PutJob):
-                self._jobs[w.record.job_id] = w.record
-                self._members.setdefault(w.record.job_id, {})
-            elif isinstance(w, DeleteMember):
-                self._members.get(w.job_id, {}).pop(w.member_id, None)
-            elif isinstance(w, PutEvent):
-                self._events.setdefault(w.job_id, {})[w.event.seq] = w.event
-            elif isinstance(w, TrimEvents):
-                events = self._events.get(w.job_id, {})
-                for seq in [s for s in events if s < w.first_kept]:
-                    del events[seq]
-            else:
-                self._jobs.pop(w.job_id, None)
-                self._members.pop(w.job_id, None)
-                self._events.pop(w.job_id, None)
-
-    def load(self) -> list[JobRecord]:
-        return [
-            job._replace(members=tuple(sorted(self._members.get(job_id, {}).values(), key=lambda m: m.seq)),
-                         events=tuple(sorted(self._events.get(job_id, {}).values())))
-            for job_id, job in sorted(self._jobs.items())
-        ]
 
 
 # -- the stored form of specs and seatings: named fields, the store's own schema ----

@@ -29,7 +29,7 @@ from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Limits
 from ..rendezvous.reports import Stats
-from ..rendezvous.store import Fenced, NullStore, Store
+from ..rendezvous.store import Fenced, MemoryStore, Store
 from ..telemetry import Telemetry, event
 from . import codec
 from .auth import Callers, TokenInterceptor
@@ -83,7 +83,7 @@ class RendezvousServer:
         self._health = Health(SERVICE_NAME, lambda: self.term is not None and self.leading())  # both ports' servicers
         self._tasks: list[asyncio.Task] = []
         self._web = None  # the HTTP server (server/web), when on
-        self._store: Store = store if store is not None else NullStore()
+        self._store: Store = store if store is not None else MemoryStore()
         self._stopped = False
         self._lease_ttl_s = lease_ttl_s
         self._reconnect_grace_s = reconnect_grace_s
@@ -371,7 +371,7 @@ async def start_server(
         ListenError: an address could not be bound.
         StoreError: the store cannot be used.
     """
-    store = store if store is not None else NullStore()
+    store = store if store is not None else MemoryStore()
     out = RendezvousServer(lease_ttl_s=lease_ttl_s, reconnect_grace_s=reconnect_grace_s, clock=clock, limits=limits,
                            callers=callers, store=store, ha=replica is not None)
     loop = asyncio.get_running_loop()
