@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -75,10 +76,16 @@ def main() -> None:
     args = p.parse_args()
 
     changed_at = []
+    changed = threading.Event()  # set by the world-change callback, which runs on the session thread
+
+    def on_world_changed(change) -> None:
+        changed_at.append(time.time())
+        changed.set()
+
     start = time.perf_counter()
     ctx = CommContext.join(
         args.server, job_id=args.job, world_size=args.world_size, node_key=args.node_key, timeout=args.timeout,
-        role=args.role, spec=args.spec, on_world_changed=lambda change: changed_at.append(time.time()),
+        role=args.role, spec=args.spec, on_world_changed=on_world_changed,
     )
     report(ctx, "joined", seconds=time.perf_counter() - start)
     for line in sys.stdin:
@@ -96,9 +103,7 @@ def main() -> None:
                 error = None
             except Exception as exc:  # noqa: BLE001 - reported for the test to check
                 error = f"{type(exc).__name__}: {exc}"
-            deadline = time.monotonic() + 5
-            while not changed_at and time.monotonic() < deadline:  # the callback runs on the session thread
-                time.sleep(0.01)
+            changed.wait(5)  # the callback, on the session thread, may run after wait_world_change returns
             emit(event="ended", final=change.final, reason=change.reason, same=ctx.world_change == change,
                  callbacks=len(changed_at), rejoin_error=error)
         elif command == "destroy":
