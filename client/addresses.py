@@ -4,13 +4,14 @@ canonical_ip) are commctx.common.addresses'. Pure: no I/O."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from commctx.common.addresses import DEFAULT_PORT, host_port
 
 from .errors import InvalidArgument
 
-__all__ = ["DEFAULT_PORT", "host_port", "split_address"]
+__all__ = ["DEFAULT_PORT", "host_port", "is_ip", "server_addresses", "split_address"]
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # 'http://', 'grpc://', ...: a URL, not host:port
 
 
@@ -51,6 +52,37 @@ def split_address(server_addr: str) -> tuple[str, int]:
         raise InvalidArgument(f"server address {_shown(server_addr)}: port {port} is out of range; give host:port "
                               f"with a port in 1..65535")
     return host, port
+
+
+def server_addresses(server_addr: str) -> list[tuple[str, int]]:
+    """(host, port) of each entry of 'host:port' or a comma-separated list of
+    them (see split_address), without repeats.
+
+    Raises:
+        InvalidArgument (a ValueError): an entry is not host:port (empty, a
+            URL, a port out of range); the message names it.
+    """
+    if not isinstance(server_addr, str):
+        return [split_address(server_addr)]  # which says what it wants
+    out: list[tuple[str, int]] = []
+    parts = server_addr.split(",")
+    for part in parts:
+        if len(parts) > 1 and not part.strip():
+            raise InvalidArgument(f"server address {server_addr[:100]!r} has an empty entry: give host:port, "
+                                  f"or the replicas' host:port separated by commas")
+        hp = split_address(part)
+        if hp not in out:
+            out.append(hp)
+    return out
+
+
+def is_ip(host: str) -> bool:
+    """Whether `host` is an IP address literal rather than a name."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _shown(value: str) -> str:

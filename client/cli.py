@@ -15,7 +15,7 @@ name roles, needs --node-roles). It imports only the server's pure planner
 
 --addr may list the replicas of a highly available server, comma-separated.
 `status` asks the leader (found as the workers find it: see
-transport.Endpoints); `health` probes each address given, as given.
+channels.Endpoints); `health` probes each address given, as given.
 """
 
 from __future__ import annotations
@@ -33,23 +33,16 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from commctx.common.errors import Refusal
-from commctx.common.planning import (
-    Candidate,
-    JobSpec,
-    PlanError,
-    RoleGroup,
-    WeightTransfer,
-    WorldPlan,
-    check_role,
-    expand,
-    plan_world,
-)
+from commctx.common.planning import PlanError
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .addresses import DEFAULT_PORT, host_port
+from .addresses import DEFAULT_PORT, host_port, server_addresses
+from .channels import Endpoints, LeaderStub, channel_to
+from .cli_plan import plan_from_args
+from .cli_render import event_line, job_detail, job_table, plan_json, plan_text
+from .credentials import Tls, check_token, tls_of
 from .errors import InvalidArgument, UsageError
-from .transport import Endpoints, LeaderStub, Tls, channel_to, check_token, server_addresses, tls_of
 
 
 def default_address(env: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -150,163 +143,6 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_plan)
 
 
-def read_spec(path: str) -> pb.JobSpec:
-    """The JobSpec in JSON file `path` ("-": stdin).
-
-    Raises:
-        SystemExit: one line naming the file and what is wrong with it (cannot
-            be read, not JSON, not a JobSpec).
-    """
-    shown = "stdin" if path == "-" else path
-    try:
-        if path == "-":
-            text = sys.stdin.read()
-        else:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-    except OSError as exc:
-        raise SystemExit(f"commctx plan: cannot read --spec {shown}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise SystemExit(f"commctx plan: --spec {shown} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"commctx plan: --spec {shown} is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
-    if not isinstance(data, dict):
-        raise SystemExit(f"commctx plan: --spec {shown} is not a JobSpec: a JSON object is needed, not {type(data).__name__}")
-    try:
-        return json_format.ParseDict(data, pb.JobSpec())
-    except json_format.ParseError as exc:
-        why = str(exc).strip().splitlines()[0].rstrip(".")[:300]
-        raise SystemExit(f"commctx plan: --spec {shown} is not a JobSpec: {why}") from None
-
-
-def build_spec(args: argparse.Namespace, world_size: int, spec: pb.JobSpec) -> pb.JobSpec:
-    """`spec` (read from --spec, or empty) completed by the command line's options."""
-    if spec.world_size and spec.world_size != world_size:
-        raise SystemExit(f"commctx plan: the spec says world_size {spec.world_size} but the world has {world_size} workers")
-    spec.world_size = world_size
-    dims = {d: getattr(args, d) for d in ("tp", "cp", "ep", "dp", "pp") if getattr(args, d)}
-    if dims or args.order or args.within_node:
-        spec.layout.CopyFrom(pb.ParallelLayout(order=args.order or "", within_node=[d for d in args.within_node.split(",") if d], **dims))
-    if args.roles:
-        del spec.roles[:]
-        spec.roles.extend(pb.RoleCount(role=r, count=c) for r, c in args.roles)
-    return spec
-
-
-def plan_from_args(args: argparse.Namespace) -> WorldPlan:
-    """Raises Refusal or PlanError when the world cannot satisfy the spec."""
-    given = read_spec(args.spec) if args.spec else pb.JobSpec()  # first: a spec that cannot be read is the one line to see
-    if not args.local_sizes and args.nodes is None:
-        raise SystemExit("commctx plan: give the world's shape: --nodes N [--per-node M], or --local-sizes 8,8,4")
-    sizes = args.local_sizes or [args.per_node] * args.nodes
-    if not args.local_sizes and (args.nodes < 1 or args.per_node < 1):
-        raise SystemExit("commctx plan: --nodes and --per-node must be at least 1")
-    node_roles = args.node_roles.split(",") if args.node_roles else []
-    if node_roles and len(node_roles) < max(sizes):
-        raise SystemExit(f"commctx plan: --node-roles names {len(node_roles)} roles but a node has {max(sizes)} workers")
-    spec = JobSpec.from_json(json_format.MessageToDict(build_spec(args, sum(sizes), given), preserving_proto_field_name=True))
-    members = [
-        Candidate(f"n{n}l{l}", f"node{n}", f"10.0.{n // 250}.{n % 250 + 1}", 29500, l, n, node_roles[l] if node_roles else "")
-        for n, size in enumerate(sizes)
-        for l in range(size)
-    ]
-    check_roles(spec, sizes, node_roles)
-    return plan_world(members, spec)
-
-
-def check_roles(spec: JobSpec, sizes: Sequence[int], node_roles: Sequence[str]) -> None:
-    """Refuses what the server would refuse when these workers join: roles
-    the spec does not allow. `node_roles` (--node-roles) gives each node's
-    workers their roles by local rank; [] when not given.
-
-    Raises:
-        SystemExit: the spec declares roles, or its groups name roles, and
-            --node-roles is missing (the plan would hold empty groups).
-        Refusal: a role name is malformed (the server's own check).
-        PlanError: a worker has a role the spec does not declare (the server
-            refuses its join: JobConflict), or more workers have a role than
-            the spec declares (the server refuses the extra ones: JobFull).
-    """
-    for role in dict.fromkeys(node_roles):
-        if role:
-            check_role(role)
-    if not spec.roles:  # undeclared roles are free: the server takes any
-        named = [r for rule in spec.rules for r in _roles_named(rule)]
-        if named and not node_roles:
-            raise SystemExit(f"commctx plan: the spec's groups name roles {', '.join(dict.fromkeys(named))} but no "
-                             f"worker has a role, so those groups would be empty: give --node-roles, the roles of "
-                             f"each node's workers by local rank")
-        return
-    declared = ", ".join(f"{r}:{c}" for r, c in spec.roles)
-    if not node_roles:
-        raise SystemExit(f"commctx plan: the spec declares roles {declared}, so every worker needs one: give "
-                         f"--node-roles, the roles of each node's workers by local rank{_node_roles_example(spec, sizes)}")
-    for local_rank, role in enumerate(node_roles[:max(sizes)]):
-        if spec.role_count(role) == 0:
-            raise PlanError(f"the spec declares roles {declared} but --node-roles gives local rank {local_rank} "
-                            f"role {role!r}; the server refuses such a worker's join")
-    counts: dict[str, int] = {}
-    for size in sizes:
-        for role in node_roles[:size]:
-            counts[role] = counts.get(role, 0) + 1
-    for role, count in spec.roles:
-        if counts.get(role, 0) > count:
-            got = ", ".join(f"{r}:{counts.get(r, 0)}" for r, _ in spec.roles)
-            raise PlanError(f"the spec declares roles {declared} but --node-roles makes {got}; the server refuses "
-                            f"the workers of role {role!r} beyond its {count}")
-
-
-def _roles_named(rule: object) -> tuple[str, ...]:
-    if isinstance(rule, RoleGroup):
-        return rule.roles
-    if isinstance(rule, WeightTransfer):
-        return (rule.sender, *rule.receivers)
-    return ()
-
-
-def _node_roles_example(spec: JobSpec, sizes: Sequence[int]) -> str:
-    """' (e.g. --node-roles trainer,rollout,rollout)' when every node can hold the same roles, else ''."""
-    nodes = len(sizes)
-    if len(set(sizes)) != 1 or any(c % nodes for _, c in spec.roles):
-        return ""
-    example = [r for r, c in spec.roles for _ in range(c // nodes)]
-    return f" (e.g. --node-roles {','.join(example)})" if len(example) == sizes[0] else ""
-
-
-def plan_json(plan: WorldPlan) -> dict:
-    return {
-        "world_size": plan.world_size,
-        "nodes": [{"node_rank": n.node_rank, "node_key": n.node_key, "first_rank": n.first_rank, "size": n.size} for n in plan.nodes],
-        "ranks": [
-            {"rank": p.rank, "node_rank": p.node_rank, "node_key": plan.nodes[p.node_rank].node_key,
-             "local_rank": p.local_rank, "role": plan.roles[p.rank] if plan.roles else ""}
-            for p in sorted(plan.placements(), key=lambda p: p.rank)
-        ],
-        "groups": {mode: [expand(g.ranks) for g in groups] for mode, groups in plan.all_groups().items()},
-        "roots": {mode: [g.root for g in groups] for mode, groups in plan.all_groups().items() if any(g.root is not None for g in groups)},
-    }
-
-
-def plan_text(plan: WorldPlan) -> str:
-    data = plan_json(plan)
-    sizes = ", ".join(str(n["size"]) for n in data["nodes"])
-    lines = [f"world: {plan.world_size} workers on {plan.num_nodes} nodes ({sizes})"]
-    if plan.spec.layout is not None:
-        lines.append(f"layout: {plan.spec.layout}")
-    lines += ["", f"{'rank':>5} {'node':>5} {'node_key':<12} {'local':>5}  role"]
-    for r in data["ranks"]:
-        lines.append(f"{r['rank']:>5} {r['node_rank']:>5} {r['node_key']:<12} {r['local_rank']:>5}  {r['role']}".rstrip())
-    lines.append("")
-    width = max(len(m) for m in data["groups"])
-    for mode, groups in data["groups"].items():
-        roots = data["roots"].get(mode, [None] * len(groups))
-        shown = (str(g) if root is None else f"{g} (root {root})" for g, root in zip(groups, roots))
-        lines.append(f"{mode:<{width}}  {' '.join(shown)}")
-    return "\n".join(lines)
-
-
 def run_plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_from_args(args)
@@ -368,71 +204,6 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval", type=float, default=2.0, help="seconds between --watch updates (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run_status)
-
-
-_STATE = {pb.JobDescription.FORMING: "forming", pb.JobDescription.FORMED: "formed", pb.JobDescription.FAILED: "failed",
-          pb.JobDescription.ENDED: "ended", pb.JobDescription.CLOSED: "closed"}
-
-
-def _size(d: pb.JobDescription) -> str:
-    """'3/4' workers, or for a job of nodes (torchrun's) '4 on 2/2 nodes': its size counts nodes."""
-    if d.spec.HasField("nodes"):
-        n = d.spec.nodes
-        wanted = f"{n.min}..{n.max}" if n.min != n.max else str(n.max)
-        return f"{d.joined} on {d.num_nodes}/{wanted} nodes"
-    return f"{d.joined}/{d.spec.world_size}"
-
-
-def _ended(d: pb.JobDescription) -> str:
-    """How long ago the run ended ('' while it runs)."""
-    return f"{max(0.0, time.time() - d.ended_at):.0f}s ago" if d.ended_at else ""
-
-
-def _role_counts(n: pb.NodeDescription) -> str:
-    return ",".join(f"{r.role or '-'}:{r.count}" for r in n.roles)
-
-
-def job_table(jobs: Sequence[pb.JobDescription]) -> str:
-    rows = [("JOB", "RUN", "STATE", "GEN", "JOINED", "MISSING", "NODES", "AGE", "ENDED", "REASON")]
-    for d in jobs:
-        rows.append((d.job_id, str(d.run or ""), _STATE.get(d.state, "?"), str(d.generation), _size(d), str(d.missing),
-                     str(d.num_nodes), f"{d.forming_for_s:.0f}s" if not d.ended_at else "", _ended(d), d.reason))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    if len(rows) == 1:
-        return "no jobs"
-    return "\n".join(("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in rows)
-
-
-def job_detail(d: pb.JobDescription) -> str:
-    joined = (f"{d.joined} workers on {_size(d).split(' on ')[1]} joined" if d.spec.HasField("nodes")
-              else f"{d.joined} of {d.spec.world_size} workers joined")
-    head = f"job {d.job_id} (run {d.run}): {_STATE.get(d.state, '?')}, generation {d.generation}, "
-    if d.ended_at:
-        began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.started_at)) if d.started_at else "?"
-        lines = [head + f"ended {_ended(d)} (began {began}, ran {d.ended_at - d.started_at:.1f} s); these nodes took part:"
-                 if d.started_at else head + f"ended {_ended(d)}; these nodes took part:"]
-    else:
-        lines = [head + f"{joined}, {d.missing} missing, "
-                 f"{'forming' if d.state == pb.JobDescription.FORMING else 'since first join'} for {d.forming_for_s:.1f} s"]
-    if d.other_runs:
-        lines.append(f"other runs of this id kept: {', '.join(map(str, d.other_runs))} (--run N describes one)")
-    if d.reason:
-        lines.append(f"why: {d.reason}")
-    if d.waiting:
-        lines.append(f"waiting for the next generation: {d.waiting} workers")
-    if d.not_ready:
-        lines.append(f"survivors that have not re-armed: {d.not_ready}")
-    if d.missing_nodes:
-        lines.append(f"node keys that have not shown up: {', '.join(d.missing_nodes)}")
-    formed = d.state == pb.JobDescription.FORMED
-    rows = [("NODE_RANK" if formed or d.ended_at else "", "NODE_KEY", "ADDRESS", "WORKERS", "ROLES")]
-    rows += [(str(n.node_rank) if formed or d.ended_at else "", n.node_key, ",".join(n.addresses) or n.address, str(n.workers),
-              _role_counts(n)) for n in d.nodes]
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).strip() for r in rows]
-    if d.num_nodes > len(d.nodes):
-        lines.append(f"... {d.num_nodes - len(d.nodes)} more nodes (--nodes 0 lists them all)")
-    return "\n".join(lines)
 
 
 def describe_job(stub: pb_grpc.RendezvousStub | LeaderStub, job_id: str, secret: str, max_nodes: int,
@@ -569,14 +340,6 @@ def add_events_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing events as they happen")
     p.add_argument("--json", action="store_true", help="one JSON object per event and line")
     p.set_defaults(run=run_events)
-
-
-def event_line(e: pb.JobEvent, as_json: bool) -> str:
-    if as_json:
-        return json.dumps({"seq": e.seq, "time": e.time, "kind": e.kind, "generation": e.generation, "message": e.message,
-                           "fields": json_format.MessageToDict(e.fields)}, separators=(",", ":"))
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)) + f".{int(e.time % 1 * 1000):03d}"
-    return f"{when}  #{e.seq:<4} gen {e.generation:<3} {e.kind:<9}  {e.message}"
 
 
 def run_events(args: argparse.Namespace) -> int:

@@ -20,26 +20,17 @@ import torch.distributed as dist
 from commctx.common.modes import GLOBAL, INTER_NODE, INTRA_NODE, Mode, mode_key
 from commctx.v1 import rendezvous_pb2 as pb
 
+from .arguments import check_count, check_seconds, progress_seconds, share_host_of
 from .assignment import Assignment
+from .backends import check_backend, resolve_backend
 from .errors import GroupNotFound, InvalidArgument, MemberNotFound, UsageError
+from .join_request import join_arguments
 from .launched import LaunchedWorker
-from .lifecycle import (
-    LauncherEnv,
-    Membership,
-    check_backend,
-    check_count,
-    check_job_secret,
-    check_seconds,
-    job_spec_of,
-    progress_seconds,
-    resolve_backend,
-    share_host_of,
-)
-from .machine import default_node_key, host_id
+from .launcher import LauncherEnv
+from .lifecycle import Membership
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
 from .session import WorldChange
-from .transport import check_token, server_addresses, tls_of
 from .world import DESTROY_TIMEOUT_S
 
 DEFAULT_JOIN_TIMEOUT_S = 600.0
@@ -229,61 +220,16 @@ class CommContext:
                 ctx.destroy()
                 raise
             return ctx
-        addr_source = "server_addr" if server_addr else "COMMCTX_SERVER"
-        server_addr = server_addr or launcher.server
-        slurm = launcher.slurm  # a task of an srun step: Slurm gives what neither the caller nor COMMCTX_* did
-        job_id = job_id or launcher.job_id or (slurm.job if slurm is not None else None)
-        if not server_addr:
-            raise UsageError("no rendezvous server: pass server_addr or set COMMCTX_SERVER=host:port")
-        if not job_id:
-            raise UsageError("no job: pass job_id or set COMMCTX_JOB_ID")
-        if not isinstance(job_id, str):
-            raise InvalidArgument(f"job_id must be a string, not {type(job_id).__name__}")
-        from_slurm: set[str] = set()  # the values Slurm gave: checked against the server's after the join
-        if slurm is not None and world_size is None and slurm.ntasks is not None:
-            world_size = slurm.ntasks
-            from_slurm.add("world_size")
-        # Slurm's node and local ranks are this world's only when the world is the whole step
-        # (another world_size splits it) and forms at once (an elastic spec's may form smaller).
-        elastic = spec.HasField("elastic") if isinstance(spec, pb.JobSpec) else isinstance(spec, Mapping) and "elastic" in spec
-        if slurm is not None and world_size == slurm.ntasks and not elastic:
-            if node_rank is None and slurm.nodeid is not None:
-                node_rank = slurm.nodeid
-                from_slurm.add("node_rank")
-            if local_rank is None and slurm.localid is not None:
-                local_rank = slurm.localid
-                from_slurm.add("local_rank")
-        else:
-            from_slurm.clear()
-        check_count("world_size", world_size, "the number of workers in the job")
-        try:
-            server_addresses(server_addr)
-        except InvalidArgument as exc:
-            if addr_source == "server_addr":
-                raise
-            raise InvalidArgument(f"COMMCTX_SERVER: {exc}") from None
-        if token is not None:
-            check_token(token, "token=")
-        elif launcher.token is not None:
-            token = check_token(launcher.token, "COMMCTX_TOKEN")
-        if job_secret is not None:
-            check_job_secret(job_secret, "job_secret=")
-        elif launcher.job_secret is not None:
-            job_secret = check_job_secret(launcher.job_secret, "COMMCTX_JOB_SECRET")
-        request = pb.JoinRequest(
-            job_id=job_id, spec=job_spec_of(spec, world_size), role=role or "",
-            job_secret=job_secret or "",
-            node_key=node_key or (slurm and slurm.node_name) or default_node_key(), local_rank=local_rank, node_rank=node_rank,
-            host_id="" if node_key else host_id(),  # a key pinned on purpose is not checked against the machine
-        )
-        tls = tls_of(tls_ca, tls_cert, tls_key, launcher.tls_ca, launcher.tls_cert, launcher.tls_key)
+        join = join_arguments(launcher, server_addr=server_addr, job_id=job_id, world_size=world_size,
+                              node_key=node_key, local_rank=local_rank, node_rank=node_rank, role=role, spec=spec,
+                              tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token, job_secret=job_secret)
         try:
             membership = ctx._membership = Membership.join(
-                server_addr, request, advertise_addr=advertise_addr, backend=backend, timeout_s=timeout,
-                collective_timeout_s=collective_timeout, tls=tls, token=token, progress_s=progress_s,
+                join.server_addr, join.request, advertise_addr=advertise_addr, backend=backend, timeout_s=timeout,
+                collective_timeout_s=collective_timeout, tls=join.tls, token=join.token, progress_s=progress_s,
                 abort_on_change=abort_on_change, share_host=share_host)
-            if from_slurm:
-                slurm.check(membership.assignment, from_slurm)
+            if join.from_slurm:
+                join.slurm.check(membership.assignment, join.from_slurm)
             if on_world_changed is not None:
                 membership.session.on_world_changed(on_world_changed)
             membership.enter(ctx._registry, timeout)

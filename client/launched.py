@@ -12,9 +12,9 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .assignment import Assignment
 from .errors import UsageError
-from .lifecycle import LauncherEnv
-from .world import enter_world, leave_world
+from .launcher import LauncherEnv
 from .registry import GroupRegistry
+from .world import enter_world, leave_world
 
 WORLD_ENV = "COMMCTX_TORCHRUN_WORLD"  # the file of this generation's assignments, written by the agent's handler
 

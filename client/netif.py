@@ -60,3 +60,10 @@ def listen_socket(address: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def listen_on(address: str) -> socket.socket:
+    try:
+        return listen_socket(address)
+    except OSError:  # an address that is not on a local interface (NAT): listen everywhere
+        return listen_socket("::" if ":" in address else "0.0.0.0")

@@ -19,7 +19,7 @@ the HTTP or health port, a token refused: transport.unhealable) ends the
 join at its first try instead. Ctrl-C in the wait withdraws the Join.
 
 A highly available server is several replicas (`server_addr` a comma-separated
-list, or a name that resolves to several addresses; see transport.Endpoints).
+list, or a name that resolves to several addresses; see channels.Endpoints).
 Every call starts at the known leader; a replica that is not the leader answers
 NOT_LEADER, naming the leader, and the call goes there; an unreachable one is
 skipped for the next. A NOT_LEADER answer is transient: the join retries it,
@@ -45,10 +45,12 @@ from commctx.v1 import rendezvous_pb2 as pb
 
 from .addresses import host_port
 from .assignment import Assignment
+from .channels import Endpoints, LeaderStub
+from .credentials import Tls
 from .errors import ServerUnavailable
 from .news import News, WorldChange
 from .progress import DEFAULT_EVERY_S, Progress, describe_wait
-from .transport import NOT_LEADER, Endpoints, LeaderStub, Tls, error_from_rpc, leader_hint, why_unreachable
+from .transport import NOT_LEADER, error_from_rpc, leader_hint, why_unreachable
 
 log = logging.getLogger("commctx")
 

@@ -105,13 +105,15 @@ from torch.distributed.elastic.rendezvous.api import (
 from commctx.v1 import rendezvous_pb2 as pb
 
 from . import _torch, errors
+from .arguments import job_spec_of, progress_seconds
+from .credentials import tls_of
 from .errors import InvalidArgument, InvalidRequest, JobClosed, MemberNotFound, RendezvousTimeout, ServerUnavailable, UsageError
 from .launched import WORLD_ENV
-from .lifecycle import LauncherEnv, advertised_address, job_spec_of, listen_on, progress_seconds
-from .netif import interface_of
+from .launcher import LauncherEnv
+from .lifecycle import advertised_address
+from .netif import interface_of, listen_on
 from .progress import describe_wait, say
 from .session import Session
-from .transport import tls_of
 
 log = logging.getLogger("commctx")
 

@@ -31,8 +31,8 @@ from commctx import (
     UsageError,
 )
 from commctx.addresses import split_address
+from commctx.backends import resolve_backend
 from commctx.launched import LaunchedWorker
-from commctx.lifecycle import resolve_backend
 from commctx.transport import error_from_rpc
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -313,7 +313,7 @@ def test_the_seed_attributes_are_views_of_one_registry():
 
 
 def test_job_spec_from_a_dict():
-    from commctx.lifecycle import job_spec_of
+    from commctx.arguments import job_spec_of
 
     s = job_spec_of({"layout": {"tp": 2, "within_node": ["tp"]}, "roles": [{"role": "a", "count": 4}]}, 4)
     assert (s.world_size, s.layout.tp, list(s.layout.within_node), s.roles[0].role) == (4, 2, ["tp"], "a")

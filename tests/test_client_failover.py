@@ -24,10 +24,10 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_status import rpc_status
 
 from commctx import transport
+from commctx.channels import Endpoints, LeaderStub, Tls
 from commctx.cli import main
 from commctx.errors import ServerUnavailable
 from commctx.session import Session
-from commctx.transport import Endpoints, LeaderStub, Tls
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 

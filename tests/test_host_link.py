@@ -197,7 +197,7 @@ def describe_joined(address: str) -> int:
 
 
 def test_a_runtime_directory_too_long_for_a_socket_falls_back_to_tmp(monkeypatch, tmp_path, runtime):
-    from commctx.host import link_paths
+    from commctx.host_wire import link_paths
 
     deep = tmp_path / ("d" * 90)
     deep.mkdir()

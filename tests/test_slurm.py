@@ -29,7 +29,7 @@ import pytest
 
 from commctx.assignment import Assignment
 from commctx.errors import UsageError
-from commctx.lifecycle import LauncherEnv
+from commctx.launcher import LauncherEnv
 from commctx.slurm import SlurmStep
 
 from .cluster import PYTHON_EXEC, Server, clean_env, forked_run, forked_workers, running

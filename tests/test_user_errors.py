@@ -177,7 +177,7 @@ def test_a_port_a_listening_server_holds_is_in_use_too():
     ({"world_size": 8}, "spec.world_size 8 disagrees with world_size 4"),
 ])
 def test_a_spec_that_is_not_a_job_spec_names_the_key(spec, named):
-    from commctx.lifecycle import job_spec_of
+    from commctx.arguments import job_spec_of
 
     with pytest.raises(InvalidRequest) as raised:
         job_spec_of(spec, 4)
@@ -479,8 +479,8 @@ def test_commctx_version():
 
 
 def test_commctx_job_still_names_the_job_with_a_warning_naming_commctx_job_id(monkeypatch, caplog):
-    from commctx import lifecycle
-    from commctx.lifecycle import LauncherEnv
+    from commctx import launcher as lifecycle
+    from commctx.launcher import LauncherEnv
 
     monkeypatch.setattr(lifecycle, "_warned_renamed", set())
     caplog.set_level(logging.WARNING, logger="commctx")
