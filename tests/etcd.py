@@ -10,7 +10,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -79,23 +78,32 @@ class Etcd:
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
              "--log-level", "error", *tls],
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
+
+        def not_started() -> str:
+            return f"etcd did not start: {open(os.path.join(self.data, 'etcd.log')).read()[-2000:]}"
+
+        def running() -> None:  # a RuntimeError: __init__ retries one that lost its port
+            if self.proc.poll() is not None:
+                raise RuntimeError(not_started())
+
         if self.tls:  # no TLS client here: wait for the port
-            while True:
+            def listening() -> bool:
+                running()
                 with socket.socket() as s:
-                    if s.connect_ex(("127.0.0.1", self.client_port)) == 0:
-                        return
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"etcd did not start: {open(os.path.join(self.data, 'etcd.log')).read()[-2000:]}")
-                time.sleep(0.05)
+                    return s.connect_ex(("127.0.0.1", self.client_port)) == 0
+
+            wait_until(listening, 30, not_started, interval_s=0.05)
+            return
         with grpc.insecure_channel(self.endpoint) as ch:
-            while True:
+            def ready() -> bool:
+                running()
                 try:
                     grpc.channel_ready_future(ch).result(timeout=0.5)
-                    break
                 except grpc.FutureTimeoutError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"etcd did not start: {open(os.path.join(self.data, 'etcd.log')).read()[-2000:]}")
+                    return False
+                return True
+
+            wait_until(ready, 30, not_started)
 
     def ctl(self, *args: str) -> str:
         """etcdctl against this etcd (plaintext only)."""
