@@ -20,8 +20,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
+
+import pytest
+
+from .waiting import wait_until
 
 # The states a job ends in (scontrol's JobState); COMPLETING is not one yet.
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
@@ -153,14 +156,20 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return all(states.get(n) == "idle" for n in self.nodes)
 
     def _wait(self, ready, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
+        """Waits until `ready()`; a RuntimeError (the test skips: the daemons
+        cannot run here) when one of them exits or `timeout_s` passes."""
+        def up() -> bool:
+            if ready():
+                return True
             for name, popen in self._procs:
                 if popen.poll() is not None:
                     raise RuntimeError(f"{name} exited ({popen.returncode}) while waiting for {what}\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no {what} within {timeout_s} s\n{self.log()}")
-            time.sleep(0.2)
+            return False
+
+        try:
+            wait_until(up, timeout_s, what, interval_s=0.2)
+        except pytest.fail.Exception:
+            raise RuntimeError(f"no {what} within {timeout_s} s\n{self.log()}") from None
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """`base` for this cluster: SLURM_CONF names its slurm.conf, and the
@@ -185,17 +194,21 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         job = done.stdout.strip().split(";")[0]
         if done.returncode != 0 or not job.isdigit():
             raise AssertionError(f"sbatch exited {done.returncode}: {done.stdout[-1000:]}{done.stderr[-2000:]}")
-        deadline = time.monotonic() + timeout_s
-        while True:
+        fields: dict[str, str] = {}
+
+        def ended() -> bool:
             shown = self.run(["scontrol", "show", "job", "-o", job], timeout_s=10).stdout
-            fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
-            state = fields.get("JobState", "")
-            if state in ENDED:
-                return job, state, fields.get("ExitCode", "")
-            if time.monotonic() > deadline:
+            fields.clear()
+            fields.update(f.split("=", 1) for f in shown.split() if "=" in f)
+            return fields.get("JobState") in ENDED
+
+        try:
+            wait_until(ended, timeout_s, lambda: f"batch job {job} ended, still {fields.get('JobState') or 'unknown'}\n"
+                       f"{self.log()}", interval_s=0.2)
+        finally:
+            if fields.get("JobState") not in ENDED:
                 self.run(["scancel", job], timeout_s=10)
-                raise AssertionError(f"batch job {job} still {state or 'unknown'} after {timeout_s} s\n{self.log()}")
-            time.sleep(0.2)
+        return job, fields["JobState"], fields.get("ExitCode", "")
 
     def log(self) -> str:
         """The tail of every daemon's log, for a failure's message."""
