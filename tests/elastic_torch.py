@@ -104,7 +104,7 @@ def _dist_sum(wait=0):
     dist.init_process_group(backend="gloo")
     t = torch.tensor(rank)
 
-    time.sleep(wait)
+    time.sleep(wait)  # the scenario, not a wait for something: work of `wait` s before the all_reduce
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
     expected_sum = sum(range(world_size))
@@ -114,7 +114,7 @@ def _dist_sum(wait=0):
 
 
 def _sleep(sleep_sec) -> int:
-    time.sleep(sleep_sec)
+    time.sleep(sleep_sec)  # the scenario, not a wait for something: a worker that works for sleep_sec
     return int(os.environ["RANK"])
 
 
@@ -185,11 +185,11 @@ def env_of_worker(*keys: str) -> dict[str, str]:
 
 
 def env_when_file(path: str, timeout_s: float = 60.0) -> dict[str, str]:
-    """Waits (bounded) until `path` exists, then returns env_of_worker(): a worker
-    that runs until the test lets it finish."""
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    """Waits until `path` exists (failing after `timeout_s`), then returns
+    env_of_worker(): a worker that runs until the test lets it finish."""
+    from .waiting import wait_until  # here: this module is imported without pytest (the fork server)
+
+    wait_until(lambda: os.path.exists(path), timeout_s, f"{path} to exist", interval_s=0.05)
     return env_of_worker()
 
 

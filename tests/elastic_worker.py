@@ -2,13 +2,12 @@
 (it starts in milliseconds): prints one JSON line of what its agent told it
 (RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, the restart count,
 its pid), writes the same to OUT_DIR/RANK.json with --out-dir, and with
---stop-file runs until that file exists (at most --hold seconds)."""
+--stop-file runs until that file exists (failing after --hold seconds)."""
 
 import argparse
 import json
 import os
 import sys
-import time
 
 KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
 
@@ -26,9 +25,10 @@ def main() -> None:
         with open(os.path.join(args.out_dir, f"{env['RANK']}.json"), "w") as f:
             f.write(line)
     print(line, flush=True)
-    deadline = time.monotonic() + args.hold
-    while args.stop_file and not os.path.exists(args.stop_file) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    if args.stop_file:
+        from waiting import wait_until  # tests/waiting.py, beside this script: imported once the line is out
+
+        wait_until(lambda: os.path.exists(args.stop_file), args.hold, f"{args.stop_file} to exist", interval_s=0.05)
     sys.exit(0)
 
 

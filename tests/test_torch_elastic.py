@@ -989,11 +989,11 @@ def job_state(backend) -> tuple[str, str]:
 def next_world_lines(agents: list, backend, timeout: float = 30.0) -> list[dict]:
     """The next JSON line of each agent's worker, failing at once when one of
     them exits or (commctx) the server failed the job, with why."""
+    from .conftest import wait_until
+
     lines: list = [None] * len(agents)
-    deadline = time.monotonic() + timeout
-    while None in lines:
-        if time.monotonic() > deadline:
-            pytest.fail(f"no new world within {timeout} s; " + "; ".join(f"{a.name}: {a.log()[-400:]}" for a in agents))
+
+    def all_read() -> bool:
         for i, agent in enumerate(agents):
             if lines[i] is not None:
                 continue
@@ -1009,6 +1009,9 @@ def next_world_lines(agents: list, backend, timeout: float = 30.0) -> list[dict]
             state, reason = job_state(backend)
             if state == "FAILED":
                 pytest.fail(f"the server failed the job: {reason}")
+        return None not in lines
+
+    wait_until(all_read, timeout, lambda: "a new world; " + "; ".join(f"{a.name}: {a.log()[-400:]}" for a in agents))
     return lines
 
 

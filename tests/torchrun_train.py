@@ -46,7 +46,7 @@ def main() -> int:
     deadline = time.monotonic() + args.hold
     while time.monotonic() < deadline:  # keep the world busy: a dead peer fails the next all_reduce
         dist.all_reduce(torch.ones(1))
-        time.sleep(0.2)
+        time.sleep(0.2)  # the scenario, not a wait for something: a training step every 0.2 s
     ctx.destroy()
     return 0
 
