@@ -68,7 +68,7 @@ class Victim:
             except grpc.RpcError as exc:
                 self.failures.append(f"{exc.code().name}: {exc.details()}")
             self.round_trips.append(time.monotonic() - began)
-            self._stop.wait(0.02)
+            self._stop.wait(0.02)  # the scenario, not a wait for something: a renewal every 20 ms until stop()
 
     def state(self) -> str:
         return pb.JobDescription.State.Name(self.stub.DescribeJob(pb.DescribeJobRequest(job_id="victim"), timeout=10).state)
