@@ -21,12 +21,15 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["RendezvousServer", "start_server"]
 
 if TYPE_CHECKING:
-    from .rpc.app import RendezvousServer, start_server
+    from .rpc.app import RendezvousServer
+    from .startup import start_server
+
+_HOMES = {"RendezvousServer": ".rpc.app", "start_server": ".startup"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        value = getattr(importlib.import_module(".rpc.app", __name__), name)
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name], __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'commctx.server' has no attribute {name!r}")

@@ -42,9 +42,10 @@ from .config import Config, from_env
 from .rendezvous.model import Limits
 from .rendezvous.sqlite import SqliteStore
 from .rendezvous.store import Store, StoreError
-from .rpc.app import ListenError, ServerTls, start_server
-from .rpc.auth import Callers
+from .rpc.app import ListenError, ServerTls
+from .startup import start_server
 from .telemetry import JsonFormatter, configure_logging
+from .tokens import Callers
 
 if TYPE_CHECKING:
     from .rendezvous.etcd import EtcdConfig
@@ -385,7 +386,7 @@ async def serve(config: Config, tls: ServerTls | None = None, callers: Callers |
         limits=Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)}),  # same names as the settings
         replica=replica,
     )
-    web = getattr(server, "_web", None)  # the HTTP port: set before the loop serves a request on it
+    web = server.web  # the HTTP port (None: off), set before the loop serves a request on it
     if web is not None:
         web.connections.max_connections = config.http_max_connections
         web.connections.peer_connections = config.http_peer_connections

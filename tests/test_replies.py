@@ -1,5 +1,7 @@
 """Replies stay bounded however big a job is: DescribeJob pages a job's nodes,
 ListJobs leaves them out, and `commctx status` reads a 100,000-member job.
+And every assignment a reply carries, encoded once per world from shared
+parts, parses to the message protobuf builds field by field from its seat.
 
 The big job is entered through the server's own state machine (100,000 gRPC
 Joins would take this test a minute); everything read back goes over gRPC."""
@@ -14,8 +16,12 @@ import time
 import grpc
 import pytest
 
+from commctx.common.planning import Candidate, JobSpec, plan_world
+from commctx.server.rendezvous.model import Joined, NewWorld, Seat
 from commctx.server.rendezvous.params import JoinParams
-from commctx.common.planning import JobSpec
+from commctx.server.rendezvous.waiting import Placed
+from commctx.server.rpc import codec
+from commctx.server.rpc.wire import pass_bytes
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .conftest import eventually, join_request
@@ -112,3 +118,86 @@ async def test_status_reads_a_job_of_100k_members(server, stub):
     small = await stub.Join(join_request("small", 1))
     assert small.assignment.world_size == 1
     print(f"100k members entered and formed in {filled:.1f} s")
+
+
+def assignment_message(seat: Seat) -> pb.Assignment:
+    """A seat's assignment built field by field by protobuf: the oracle the codec's one encoder is held to."""
+    plan, p = seat.plan, seat.placement
+    return pb.Assignment(
+        job_id=seat.job_id, generation=seat.generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
+        master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=seat.reason,
+        previous_lost=seat.previous_lost, node_rank=p.node_rank, local_world_size=plan.nodes[p.node_rank].size,
+        rank=p.rank, local_rank=p.local_rank, previous_rank=seat.previous_rank,
+        role=plan.roles[p.rank] if plan.roles else "", worker=seat.worker, changed_groups=seat.changed_groups,
+        groups=[pb.Group(mode=g.mode, index=g.index, cpu_twin=g.cpu_twin, root=g.root, ranks=pb.RankSet(
+            runs=[pb.RankRun(start=r.start, count=r.count, stride=r.stride) for r in g.ranks]))
+            for g in seat.groups or plan.groups_of(p)])
+
+
+def _worlds() -> list[NewWorld]:
+    """A first world, and re-formed ones (m5 replaced by m6, which has no previous rank), of roles,
+    groups of several modes and a CPU twin; "w" is a node membership of two workers."""
+    spec = JobSpec.from_json(dict(
+        world_size=7, roles=[dict(role="trainer", count=2), dict(role="rollout", count=5)],
+        groups=[dict(mode="TRAIN_DATA_PARALLEL", role_group=dict(roles=["trainer"])),
+                dict(mode="WEIGHT_TRANSFER", weight_transfer=dict(sender_role="trainer", receiver_roles=["rollout"],
+                                                                  scope="SCOPE_NODE")),
+                dict(mode="PAIRS", named=dict(groups=[dict(ranks=[4, 1]), dict(ranks=[5])]))],
+        cpu_twins=["TRAIN_DATA_PARALLEL"]))
+    layout = [("m0", "n1", "rollout"), ("m1", "n0", "rollout"), ("m2", "n0", "trainer"), ("m3", "n1", "trainer"),
+              ("m4", "n0", "rollout"), ("w", "n0", "rollout"), ("w/1", "n0", "rollout")]
+    first = [Candidate(mid, node, f"10.0.0.{node[1]}", 30000 + i, None, None, role) for i, (mid, node, role) in enumerate(layout)]
+    second = [*first[:4], Candidate("m6", "n1", "10.0.0.1", 30006, None, None, "rollout"), *first[5:]]
+    one, two = plan_world(first, spec), plan_world(second, spec)
+    return [NewWorld("job", 1, one, None), NewWorld("job", 2, two, one, "member m4 (node 'n0', rank 4) left"),
+            NewWorld("job", 2, two, one, "member m4 (node 'n0', rank 4) expired", lost=True)]
+
+
+def test_every_assignment_on_the_wire_is_the_message_built_field_by_field():
+    """Session events and Join answers (a worker's, a node membership's, a host
+    membership's) carry assignments joined from what their world shares
+    (codec.WorldEncoding): each parses to the message built from its seat."""
+    worlds = codec.Worlds()
+    for world in _worlds():
+        seen_previous = set()
+        for mid in world.plan.ranks:
+            seat = world.assignment_for(mid)
+            for kept in (worlds, None):  # an encoding kept for the world's delivery, and one made for this answer
+                event = codec.session_event(world, mid, kept)
+                assert type(event) is bytes and pb.SessionEvent.FromString(event) == pb.SessionEvent(
+                    assignment=assignment_message(seat)), mid
+                if mid == "w/1":
+                    continue  # a node membership's second worker: answered in w's Join
+                placed = Placed(Joined("job", mid, 10.0, 1), world, "cd" * 16)
+                workers = 2 if mid == "w" else 0
+                assert codec.many_workers(placed, workers) == bool(workers)
+                answer = pb.JoinResponse.FromString(b"".join(codec.join_slices(placed, workers, kept)))
+                expected = pb.JoinResponse(member_id=mid, member_secret="cd" * 16, lease_ttl_ms=10_000,
+                                           assignment=assignment_message(seat))
+                if workers:
+                    expected.worker_assignments.extend(assignment_message(world.assignment_for(w)) for w in ("w", "w/1"))
+                assert answer == expected, mid
+            seen_previous.add(pb.SessionEvent.FromString(codec.session_event(world, mid)).assignment.HasField("previous_rank"))
+        assert seen_previous == ({False} if world.previous is None else {True, False})  # m6: no previous rank
+        assert codec.session_event(world, "m-unknown", worlds) is None
+
+
+def test_a_host_memberships_assignments_are_its_workers_in_its_order():
+    world = _worlds()[0]
+    hosted = NewWorld("job", 1, world.plan, None, hosts={"w": (0, 1)})
+    seats = [hosted.assignment_for("w", 0), hosted.assignment_for("w/1", 1)]
+    expected = [assignment_message(s) for s in seats]
+    assert [a.worker for a in expected] == [0, 1]
+    assert codec.session_sliced(hosted, "w") and not codec.session_sliced(hosted, "m0")
+    event = pb.SessionEvent.FromString(codec.session_event(hosted, "w", codec.Worlds()))
+    assert event == pb.SessionEvent(assignment=expected[0], worker_assignments=expected)
+    placed = Placed(Joined("job", "w", 10.0, 1), hosted, "cd" * 16)
+    assert codec.many_workers(placed, 0)
+    answer = pb.JoinResponse.FromString(b"".join(codec.join_slices(placed, 0)))
+    assert list(answer.worker_assignments) == expected and answer.assignment == expected[0]
+
+
+def test_bytes_encoded_ahead_leave_as_they_are():
+    serialize = pass_bytes(pb.SessionEvent.SerializeToString)
+    assert serialize(b"\x08\x01") == b"\x08\x01"
+    assert serialize(pb.SessionEvent(lease_ttl_ms=1)) == b"\x08\x01"

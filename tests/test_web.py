@@ -152,11 +152,11 @@ async def test_the_event_stream_follows_the_job_until_it_is_gone(web):
 
 async def test_idle_connections_cost_no_threads_and_metrics_still_answer(web):
     server, stub, base = web
-    server._web.connections.peer_connections = 1000  # noqa: SLF001 - all from this one peer (tests/test_http_fair.py caps it)
+    server.web.connections.peer_connections = 1000  # all from this one peer (tests/test_http_fair.py caps it)
     threads = threading.active_count()
     idle = await asyncio.to_thread(lambda: [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(300)])
     try:
-        await eventually(lambda: len(server._web._runner.server.connections) == 300)  # noqa: SLF001 - all accepted
+        await eventually(lambda: len(server.web._runner.server.connections) == 300)  # noqa: SLF001 - all accepted
         assert threading.active_count() - threads <= 20
         status, metrics = await aget(f"{base}/metrics")
         assert status == 200 and "commctx_active_jobs" in metrics
@@ -172,7 +172,7 @@ async def test_connections_beyond_the_cap_are_closed_and_idle_ones_time_out(monk
     connect = lambda: socket.create_connection(("127.0.0.1", server.http_port), timeout=10)  # noqa: E731
     held = await asyncio.to_thread(lambda: [connect() for _ in range(5)])
     try:
-        await eventually(lambda: len(server._web._runner.server.connections) == 5)  # noqa: SLF001
+        await eventually(lambda: len(server.web._runner.server.connections) == 5)  # noqa: SLF001
         extra = await asyncio.to_thread(connect)
         refused = await asyncio.to_thread(extra.recv, 4096)  # answered and closed as it came
         assert refused.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and b"(--http-max-connections)" in refused

@@ -1,7 +1,9 @@
-"""Wiring: the grpc.aio server with the rendezvous, health and reflection
-services, an optional health-only port, the HTTP server (dashboard, JSON API,
-metrics: server/web), the state machine with its store and executor, and an
-orderly stop."""
+"""The gRPC edge's server: the grpc.aio server with the rendezvous, health and
+reflection services and an optional health-only port; the term that serves
+the rendezvous (the state machine with its store, executor and servicer) and
+the router that sends each call to it; the guard that answers undecodable
+requests; TLS; and an orderly stop. server/startup.py assembles a whole server
+around it (telemetry, the HTTP port, GC pacing)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import grpc
-import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -24,17 +25,18 @@ from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
 from ..errors import NotLeader, Unavailable, UnknownToken
-from ..gc_pacer import GcPacer
 from ..rendezvous.executor import Executor, Waiters
 from ..rendezvous.machine import Rendezvous
 from ..rendezvous.model import Limits
-from ..rendezvous.reports import Stats
 from ..rendezvous.store import Fenced, MemoryStore, Store
 from ..telemetry import Telemetry, event
-from . import codec
-from .auth import Callers, TokenInterceptor
+from ..tokens import Callers
+from .auth import TokenInterceptor
 from .health import Health
 from .servicer import RendezvousServicer
+from .status import answer_error, error_status
+from .undecodable import LimitedLog, Undecodable, tolerant
+from .wire import pass_bytes
 
 log = logging.getLogger("commctx.server")
 
@@ -63,7 +65,7 @@ class Term:
 
 
 class RendezvousServer:
-    """A running server. Create with `start_server`; stop with `stop` (idempotent)."""
+    """A running server. Create with `start_server` (server/startup.py); stop with `stop` (idempotent)."""
 
     def __init__(self, *, lease_ttl_s: float = 10.0, reconnect_grace_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, limits: Limits = Limits(), callers: Callers | None = None,
@@ -82,7 +84,7 @@ class RendezvousServer:
         self._servers: list[grpc.aio.Server] = []
         self._health = Health(SERVICE_NAME, lambda: self.term is not None and self.leading())  # both ports' servicers
         self._tasks: list[asyncio.Task] = []
-        self._web = None  # the HTTP server (server/web), when on
+        self.web: Any = None  # the HTTP server (server/web), when on: start_server sets it, stop() stops it
         self._store: Store = store if store is not None else MemoryStore()
         self._stopped = False
         self._lease_ttl_s = lease_ttl_s
@@ -108,6 +110,17 @@ class RendezvousServer:
     @property
     def servicer(self) -> RendezvousServicer:
         return self._current().servicer
+
+    def serving(self) -> Term:
+        """The term serving the rendezvous now.
+
+        Raises:
+            NotLeader: this server may not answer now (naming the leader when known).
+        """
+        term = self.term
+        if term is None or not self.leading():
+            raise self.not_leader()
+        return term
 
     def _current(self) -> Term:
         if self.term is None:
@@ -153,6 +166,47 @@ class RendezvousServer:
         return self.term.machine.shares.live.revoke(self._callers.knows, UnknownToken(
             "this call's token is no longer accepted: the server's --auth-tokens file no longer holds it"))
 
+    async def start(self, host: str, port: int, health_port: int | None = None, tls: ServerTls | None = None,
+                    replica: Callable[[RendezvousServer], Awaitable[None]] | None = None) -> None:
+        """Serves gRPC on host:port, and health alone on `health_port` (None: not
+        at all): the rendezvous at once from the store's records, or, for an HA
+        replica, between the terms `replica` begins and ends (start_server says more).
+
+        Raises:
+            ListenError: an address could not be bound.
+            StoreError: the store cannot be used.
+        """
+        if replica is None:
+            self.begin_term(self._store, self._store.take_over(), self._store.load())
+        guards = [TokenInterceptor(self._callers, self.telemetry.rpc_error)] if self._callers is not None else []
+        server = grpc_server([*guards, DecodeGuard(self.telemetry.rpc_error)], self._limits)
+        pb_grpc.add_RendezvousServicer_to_server(Router(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health.aio, server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        try:
+            self.port = listen(server, host, port, tls)
+            self._servers.append(server)
+            if health_port is not None:
+                probe = self._health.port()  # a sync server on threads of its own: its Checks never wait for the loop
+                self.health_port = listen(probe, host, health_port)
+                self._servers.append(probe)
+        except BaseException:
+            if self.term is not None:
+                await self.term.executor.stop()
+            raise
+        for s in self._servers:
+            await s.start()
+        if replica is None:
+            await self._set_health(SERVING)
+        else:  # alive, but the rendezvous is served only once elected
+            await self._health.set("", SERVING)
+            await self._health.set(SERVICE_NAME, NOT_SERVING)
+            self.own(replica(self), "commctx-replica")
+
+    def own(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Runs `work` for the server's life: cancelled and awaited when it stops."""
+        self._tasks.append(asyncio.create_task(work, name=name))
+
     def not_leader(self) -> NotLeader:
         if self.leader:
             return NotLeader(f"this replica does not serve the rendezvous; the leader is {self.leader}", self.leader)
@@ -178,8 +232,8 @@ class RendezvousServer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._web is not None:
-            await self._web.stop()
+        if self.web is not None:
+            await self.web.stop()
         await asyncio.to_thread(self._store.close)
         self.telemetry.close()
 
@@ -216,9 +270,9 @@ class Router(pb_grpc.RendezvousServicer):
         replaces it); None once the call is answered NOT_LEADER (return None then)."""
         term = self._server.term
         if term is None or not self._server.leading():
-            status = codec.error_status(self._server.not_leader())
+            status = error_status(self._server.not_leader())
             self._server.telemetry.rpc_error(method, status.code.name)
-            codec.answer_error(context, status)
+            answer_error(context, status)
             return None
         context.set_trailing_metadata(term.stamp)
         return term.servicer
@@ -244,7 +298,7 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
     def __init__(self, rpc_error: Callable[[str, str], None]) -> None:
         self._rpc_error = rpc_error
-        self._log_line = codec.LimitedLog()
+        self._log_line = LimitedLog()
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
@@ -259,26 +313,26 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 
     def _wrap(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         method = path.rsplit("/", 1)[-1]
-        parse = codec.tolerant(handler.request_deserializer, f"commctx.v1.{method}Request", self._log_line)
+        parse = tolerant(handler.request_deserializer, f"commctx.v1.{method}Request", self._log_line)
         if handler.request_streaming:
             return grpc.stream_stream_rpc_method_handler(  # Session: assignments are written encoded
-                handler.stream_stream, request_deserializer=parse, response_serializer=codec.pass_bytes(handler.response_serializer))
+                handler.stream_stream, request_deserializer=parse, response_serializer=pass_bytes(handler.response_serializer))
         inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
         async def checked(request, context: grpc.aio.ServicerContext):
-            if isinstance(request, codec.Undecodable):
-                status = codec.error_status(request.error())
+            if isinstance(request, Undecodable):
+                status = error_status(request.error())
                 self._rpc_error(method, status.code.name)
-                codec.answer_error(context, status)
+                answer_error(context, status)
                 return None
             return await inner(request, context)
 
         make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
-        return make(checked, request_deserializer=parse,  # a Join's answer may come encoded (codec.join_answer)
-                    response_serializer=codec.pass_bytes(handler.response_serializer))
+        return make(checked, request_deserializer=parse,  # a Join's answer comes encoded (codec.join_slices)
+                    response_serializer=pass_bytes(handler.response_serializer))
 
 
-def _grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits: Limits = Limits()) -> grpc.aio.Server:
+def grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits: Limits = Limits()) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=list(interceptors),
         options=[
@@ -318,120 +372,10 @@ class ListenError(RuntimeError):
     """A port the server cannot bind."""
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None = None) -> int:
+def listen(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None = None) -> int:
     try:
         if tls is not None:
             return server.add_secure_port(host_port(host, port), tls.credentials())
         return server.add_insecure_port(host_port(host, port))
     except RuntimeError as exc:
         raise ListenError(f"cannot listen on {host_port(host, port)}: {exc}") from exc
-
-
-async def start_server(
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    lease_ttl_s: float = 10.0,
-    reconnect_grace_s: float = 1.0,
-    health_port: int | None = None,
-    http_port: int | None = None,
-    store: Store | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    pace_gc: bool = False,
-    tls: ServerTls | None = None,
-    callers: Callers | None = None,
-    limits: Limits = Limits(),
-    replica: Callable[[RendezvousServer], Awaitable[None]] | None = None,
-) -> RendezvousServer:
-    """Starts a rendezvous server on host:port (port 0: any free port).
-
-    Args:
-        reconnect_grace_s: how long a member whose session the client ended
-            without a Leave (a killed process) keeps its seat for a new session
-            (at most lease_ttl_s); then it is removed as an expired lease is.
-        store: where state is kept (default: memory only). The server takes it
-            over (fencing any earlier writer) and restores the jobs it holds,
-            every lease with one more TTL of grace.
-        health_port: also serve grpc.health.v1 alone on this port (0: any free
-            port; None: not at all).
-        http_port: serve HTTP on this port (0: any free port; None: not at
-            all): the dashboard, the JSON API of jobs and events, and
-            Prometheus metrics at /metrics (server/web).
-        pace_gc: collect garbage on a timer instead of on allocation counts
-            (gc_pacer.py); changes the whole process, so for a dedicated server.
-        tls: serve the main port over TLS only (mutual TLS with a client CA);
-            the health-only port stays plaintext for probes.
-        callers: require one of these bearer tokens on every call but health.
-        limits: how much the server holds at most (jobs, members, spec sizes, join waits).
-        replica: for an HA replica (server/ha.py): runs for the server's life,
-            calling `begin_term` when elected and `end_term` when not; the
-            server then serves the rendezvous only between the two.
-
-    Raises:
-        ListenError: an address could not be bound.
-        StoreError: the store cannot be used.
-    """
-    store = store if store is not None else MemoryStore()
-    out = RendezvousServer(lease_ttl_s=lease_ttl_s, reconnect_grace_s=reconnect_grace_s, clock=clock, limits=limits,
-                           callers=callers, store=store, ha=replica is not None)
-    loop = asyncio.get_running_loop()
-    idle = Rendezvous(lease_ttl_s=lease_ttl_s, clock=clock, limits=limits)  # what metrics show between terms
-
-    loop_thread = threading.get_ident()
-
-    async def snapshot() -> Stats:
-        return now()
-
-    def now() -> Stats:
-        term = out.term
-        if term is None:
-            return idle.stats()
-        return dataclasses.replace(term.machine.stats(), sessions=term.servicer.open_member_sessions)
-
-    def stats() -> Stats:  # from another thread (the metrics thread), the loop takes the snapshot
-        if threading.get_ident() == loop_thread:
-            return now()
-        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=5)
-
-    registry = prometheus_client.CollectorRegistry()
-    out.telemetry = Telemetry(registry, stats)
-    if replica is None:
-        out.begin_term(store, store.take_over(), store.load())
-
-    guards = [TokenInterceptor(callers, out.telemetry.rpc_error)] if callers is not None else []
-    server = _grpc_server([*guards, DecodeGuard(out.telemetry.rpc_error)], limits)
-    pb_grpc.add_RendezvousServicer_to_server(Router(out), server)
-    health_pb2_grpc.add_HealthServicer_to_server(out._health.aio, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    try:
-        out.port = _listen(server, host, port, tls)
-        out._servers.append(server)
-        if health_port is not None:
-            probe = out._health.port()  # a sync server on threads of its own: its Checks never wait for the loop
-            out.health_port = _listen(probe, host, health_port)
-            out._servers.append(probe)
-    except BaseException:
-        if out.term is not None:
-            await out.term.executor.stop()
-        raise
-    for s in out._servers:
-        await s.start()
-    if replica is None:
-        await out._set_health(SERVING)
-    else:  # alive, but the rendezvous is served only once elected
-        await out._health.set("", SERVING)
-        await out._health.set(SERVICE_NAME, NOT_SERVING)
-        out._tasks.append(asyncio.create_task(replica(out), name="commctx-replica"))
-    if http_port is not None:
-        from ..web import WebServer  # only a server with HTTP loads aiohttp
-
-        out._web = WebServer(out, registry, callers)
-        try:
-            out.http_port = await out._web.start(host, http_port)
-        except BaseException:
-            await out.stop(0)
-            raise
-    out._tasks.append(asyncio.create_task(out.telemetry.loop_lag.run(), name="commctx-loop-lag"))
-    if pace_gc:
-        out._tasks.append(asyncio.create_task(GcPacer(out.telemetry.loop_lag).run(), name="commctx-gc-pacer"))
-    return out

@@ -1,70 +1,26 @@
 """The wire codec, at the RPC edge: protocol messages to and from the domain's
-values (spec <-> JobSpec, join request -> JoinParams, assignment -> message,
-views -> descriptions), and domain errors -> gRPC status with a standard
-google.rpc.ErrorInfo in its details. Nothing else in the server touches
-protobuf but its helpers here: wire.py (bytes by hand) and undecodable.py."""
+values: spec <-> JobSpec, a Join's request -> JoinParams, a world's
+assignments -> the Join's answer and the session's events, views -> job
+descriptions and events. One encoder per message. Nothing else in the server
+builds protocol messages of the domain's values but its neighbours here:
+status.py (errors), paging.py (pages of these messages) and wire.py (bytes by
+hand)."""
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import grpc
-from google.protobuf import any_pb2, json_format
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.protobuf import json_format
 
-from commctx.common.planning import JobSpec, Placement, PlannedGroup, WorldPlan, elide
+from commctx.common.planning import JobSpec, PlannedGroup, elide
 from commctx.v1 import rendezvous_pb2 as pb
 
-from ..errors import (
-    AlreadyExists,
-    BadRequest,
-    Closed,
-    Conflict,
-    Full,
-    LimitExceeded,
-    NotFound,
-    NotLeader,
-    Refusal,
-    Sealed,
-    SessionReplaced,
-    Stale,
-    Unavailable,
-    UnknownToken,
-    WaitTimeout,
-)
 from ..rendezvous.model import Gone, JobEvent, JobState, NewWorld, Reforming, Seat, SessionEvent, worker_id
 from ..rendezvous.params import JoinParams, Slot
 from ..rendezvous.reports import JobView
-from ..rendezvous.views import MAX_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.waiting import Placed
 from . import wire
-from .undecodable import LimitedLog, Undecodable, tolerant  # noqa: F401 - codec's names, as app.py and the servicer use them
-
-log = logging.getLogger("commctx.server")
-
-DOMAIN = "commctx"
-MAX_DETAILS = 1024  # error texts stay far below gRPC's metadata limit
-
-# The one table from domain errors to status codes and ErrorInfo reasons.
-STATUS_OF: dict[type[Refusal], tuple[grpc.StatusCode, int]] = {
-    BadRequest: (grpc.StatusCode.INVALID_ARGUMENT, pb.INVALID_REQUEST),
-    Conflict: (grpc.StatusCode.FAILED_PRECONDITION, pb.JOB_CONFLICT),
-    Stale: (grpc.StatusCode.FAILED_PRECONDITION, pb.STALE_GENERATION),
-    Closed: (grpc.StatusCode.FAILED_PRECONDITION, pb.JOB_CLOSED),
-    AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, pb.RANK_TAKEN),
-    Full: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.JOB_FULL),
-    NotFound: (grpc.StatusCode.NOT_FOUND, pb.MEMBER_NOT_FOUND),
-    WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, pb.RENDEZVOUS_TIMEOUT),
-    Unavailable: (grpc.StatusCode.UNAVAILABLE, pb.SERVER_UNAVAILABLE),
-    NotLeader: (grpc.StatusCode.UNAVAILABLE, pb.NOT_LEADER),
-    UnknownToken: (grpc.StatusCode.UNAUTHENTICATED, pb.UNAUTHENTICATED_CALLER),
-    Sealed: (grpc.StatusCode.PERMISSION_DENIED, pb.JOB_SEALED),
-    LimitExceeded: (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.SERVER_FULL),
-    SessionReplaced: (grpc.StatusCode.ABORTED, pb.SESSION_REPLACED),
-}
 
 _STATE = {
     JobState.FORMING: pb.JobDescription.FORMING,
@@ -75,40 +31,7 @@ _STATE = {
 }
 
 
-# -- errors ----------------------------------------------------------------------------
-
-
-def error_status(exc: BaseException) -> grpc.Status:
-    """The status a failed call answers with: code, bounded message, ErrorInfo details."""
-    if isinstance(exc, Refusal):
-        code, reason = STATUS_OF[type(exc)]
-        message = str(exc)
-    else:
-        log.error("internal error", exc_info=exc)
-        code, reason, message = grpc.StatusCode.INTERNAL, pb.ERROR_REASON_UNSPECIFIED, f"internal error: {type(exc).__name__}"
-    if len(message) > MAX_DETAILS:
-        message = message[: MAX_DETAILS - 3] + "..."
-    detail = any_pb2.Any()
-    metadata = {"leader": exc.leader} if isinstance(exc, NotLeader) and exc.leader else {}
-    detail.Pack(error_details_pb2.ErrorInfo(reason=pb.ErrorReason.Name(reason), domain=DOMAIN, metadata=metadata))
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
-
-
-def answer_error(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
-    """Makes `status` the call's answer; the handler then returns (None).
-
-    Not `context.abort`: grpc.aio keeps the AbortError it raises on the call's
-    state, and its traceback holds the handler frames, which hold the context,
-    so every aborted call is a reference cycle. GcPacer's middle passes move the
-    cycles of calls in flight into the oldest generation, which it collects every
-    5 minutes at most (hourly under steady load): a refusal retried in a loop grew
-    the server by 60-85 bytes per answer. Set this way, a failed call is freed on return."""
-    context.set_code(status.code)
-    context.set_details(status.details)
-    context.set_trailing_metadata(status.trailing_metadata)
-
-
-# -- specs -----------------------------------------------------------------------------
+# -- specs and requests ------------------------------------------------------------------
 
 
 def spec_from_message(m: pb.JobSpec) -> JobSpec:
@@ -146,99 +69,159 @@ def join_params(r: pb.JoinRequest, spec: JobSpec) -> JoinParams:
     )
 
 
-# -- answers ---------------------------------------------------------------------------
+# -- assignments: a world's, as its Joins and sessions carry them ---------------------------
+
+# Workers' assignments encoded between two yields of the event loop when a
+# Join of a node or host membership is answered (join_slices), or a host
+# membership's session told of its new world (session_slices): encoded whole,
+# a world of many such memberships woken at once would hold the loop.
+ANSWER_SLICE = 64
+
+_ASSIGNMENT = pb.SessionEvent.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2
+_WORKER_ASSIGNMENTS = pb.SessionEvent.DESCRIPTOR.fields_by_name["worker_assignments"].number << 3 | 2
+_JOIN_ASSIGNMENT = pb.JoinResponse.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2
+_JOIN_WORKERS = pb.JoinResponse.DESCRIPTOR.fields_by_name["worker_assignments"].number << 3 | 2
 
 
-@functools.lru_cache(maxsize=4096)  # every member of a group shares the same message
+@functools.lru_cache(maxsize=4096)  # a group the next world keeps is built once
 def _group_message(group: PlannedGroup) -> pb.Group:
     runs = [pb.RankRun(start=r.start, count=r.count, stride=r.stride) for r in group.ranks]
     return pb.Group(mode=group.mode, index=group.index, ranks=pb.RankSet(runs=runs), cpu_twin=group.cpu_twin, root=group.root)
 
 
-def _shared_fields(job_id: str, generation: int, plan: WorldPlan, reason: str, previous_lost: bool) -> pb.Assignment:
-    """The fields of an assignment every worker of the world has alike."""
-    return pb.Assignment(job_id=job_id, generation=generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
-                         master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=reason,
-                         previous_lost=previous_lost)
+class WorldEncoding:
+    """The one encoder of commctx.v1.Assignment: a world's members' assignments,
+    as bytes. What they share is serialized once: the fields common to all,
+    each node's, each set of changed groups and each group (members of a node,
+    say, share one); a worker's own fields are written by hand
+    (wire.own_bytes). Protobuf merges a message field that occurs more than
+    once and keeps repeated fields in order, so the joined bytes parse to the
+    message built field by field (tests/test_replies.py holds them to it)."""
+
+    __slots__ = ("world", "_common", "_groups", "_nodes", "_changes")
+
+    def __init__(self, world: NewWorld) -> None:
+        self.world = world
+        self._common = pb.Assignment(
+            job_id=world.job_id, generation=world.generation, world_size=world.plan.world_size,
+            num_nodes=world.plan.num_nodes, master_addr=world.plan.master_addr, master_port=world.plan.master_port,
+            dist_url=world.plan.dist_url, reason=world.reason, previous_lost=world.lost).SerializeToString()
+        # By id(): the world holds its plan, which holds its groups, for as long as
+        # this encoding is kept; hashing a group's ranks at every lookup would cost more.
+        self._groups: dict[int, bytes] = {}
+        self._nodes: dict[int, bytes] = {}  # by node rank: node_rank, local_world_size
+        self._changes: dict[tuple[str, ...], bytes] = {}  # changed_groups
+
+    def assignment(self, seat: Seat) -> bytes:
+        """A worker's Assignment, serialized: the parts it shares and its own fields."""
+        p, plan = seat.placement, self.world.plan
+        own = wire.own_bytes(p.rank, p.local_rank, seat.previous_rank, plan.roles[p.rank] if plan.roles else "", seat.worker)
+        return b"".join([self._common, self._node(p.node_rank), self._changed(seat.changed_groups), own,
+                         *[self._group(g) for g in seat.groups or plan.groups_of(p)]])
+
+    def _group(self, group: PlannedGroup) -> bytes:
+        b = self._groups.get(id(group))
+        if b is None:
+            b = self._groups[id(group)] = pb.Assignment(groups=[_group_message(group)]).SerializeToString()
+        return b
+
+    def _node(self, node_rank: int) -> bytes:
+        b = self._nodes.get(node_rank)
+        if b is None:
+            b = self._nodes[node_rank] = pb.Assignment(
+                node_rank=node_rank, local_world_size=self.world.plan.nodes[node_rank].size).SerializeToString()
+        return b
+
+    def _changed(self, modes: tuple[str, ...]) -> bytes:
+        b = self._changes.get(modes)
+        if b is None:
+            b = self._changes[modes] = pb.Assignment(changed_groups=modes).SerializeToString()
+        return b
 
 
-def _node_fields(plan: WorldPlan, node_rank: int) -> pb.Assignment:
-    """The fields of an assignment every worker of one node has alike."""
-    return pb.Assignment(node_rank=node_rank, local_world_size=plan.nodes[node_rank].size)
+class Worlds:
+    """The encodings of the few worlds being delivered now, newest last: a
+    re-form's survivors' sessions and Joins each ask for theirs, and what they
+    share is serialized once for all of them. A world pushed out is only
+    encoded anew. Each servicer (one per term) holds its own."""
+
+    KEPT = 8
+
+    def __init__(self) -> None:
+        self._kept: list[WorldEncoding] = []
+
+    def encoding(self, world: NewWorld) -> WorldEncoding:
+        for kept in reversed(self._kept):
+            if kept.world is world:
+                return kept
+        if len(self._kept) >= self.KEPT:
+            del self._kept[0]  # the oldest: its delivery is over
+        kept = WorldEncoding(world)
+        self._kept.append(kept)
+        return kept
 
 
-def _own_fields(plan: WorldPlan, p: Placement, previous_rank: int | None, worker: int = 0) -> pb.Assignment:
-    """The fields of an assignment that are this worker's alone (its node's, changed groups and groups aside)."""
-    return pb.Assignment(rank=p.rank, local_rank=p.local_rank, previous_rank=previous_rank,
-                         role=plan.roles[p.rank] if plan.roles else "", worker=worker)
+def _encoding(world: NewWorld, worlds: Worlds | None) -> WorldEncoding:
+    return WorldEncoding(world) if worlds is None else worlds.encoding(world)
 
 
-def fill_assignment(m: pb.Assignment, a: Seat) -> None:
-    """Writes `a` into `m` (in place: this runs once per worker of every world)."""
-    m.MergeFrom(_shared_fields(a.job_id, a.generation, a.plan, a.reason, a.previous_lost))
-    m.MergeFrom(_node_fields(a.plan, a.placement.node_rank))
-    m.MergeFrom(_own_fields(a.plan, a.placement, a.previous_rank, a.worker))
-    m.changed_groups.extend(a.changed_groups)
-    m.groups.extend([_group_message(g) for g in a.groups or a.plan.groups_of(a.placement)])
-
-
-def join_response(placed: Placed, workers: int = 0) -> pb.JoinResponse:
-    """The answer to a Join seated in its world; a node membership (`workers` given, the
-    request's JoinRequest.workers) gets each of its workers' assignments."""
-    member_id, world = placed.joined.member_id, placed.world
-    response = pb.JoinResponse(member_id=member_id, member_secret=placed.member_secret,
-                               lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000))
-    if world.hosts is not None and member_id in world.hosts:  # a host membership: each of its workers'
-        _fill_host(response, world, member_id)
-        return response
-    fill_assignment(response.assignment, world.assignment_for(member_id))
-    if workers:
-        response.worker_assignments.append(response.assignment)
-        for i in range(1, workers):
-            fill_assignment(response.worker_assignments.add(), world.assignment_for(worker_id(member_id, i)))
-    return response
-
-
-# Workers' assignments encoded between two yields of the event loop when a
-# Join of a node or host membership is answered (join_slices), or a host
-# membership's session told of its new world (session_slices): a 1,024-worker
-# node's answer, encoded whole, was 15-25 ms of the loop, and a world of 98 such
-# nodes woken at once held it for 1.2 s (benchmarks/bounds.py).
-ANSWER_SLICE = 64
-
-
-def join_answer(placed: Placed, workers: int = 0) -> pb.JoinResponse | bytes:
-    """What the servicer answers a Join with: join_response, but a node or host
-    membership's workers' assignments as bytes joined from the world's shared
-    parts (as a session's are): join_slices, joined."""
-    return b"".join(join_slices(placed, workers)) if sliced(placed, workers) else join_response(placed)
-
-
-def sliced(placed: Placed, workers: int) -> bool:
-    """Whether a Join's answer holds its workers' assignments (a node or host membership's): join_slices."""
+def many_workers(placed: Placed, workers: int) -> bool:
+    """Whether a Join's answer holds its workers' assignments (a node or host
+    membership's, `workers` being the request's JoinRequest.workers): the
+    servicer then takes join_slices a turn of the event loop each."""
     return bool(workers) or (placed.world.hosts is not None and placed.joined.member_id in placed.world.hosts)
 
 
-def join_slices(placed: Placed, workers: int) -> Iterator[bytes]:
-    """A node or host membership's JoinResponse (`workers`: the request's
-    JoinRequest.workers), as bytes, ANSWER_SLICE workers' assignments at a
-    time: the servicer yields the event loop between two slices."""
+def join_slices(placed: Placed, workers: int, worlds: Worlds | None = None) -> Iterator[bytes]:
+    """A Join's answer, the JoinResponse, as bytes in slices of ANSWER_SLICE
+    workers' assignments: a single worker's, or a node or host membership's
+    (`workers`: the request's JoinRequest.workers) each of its workers' too."""
     member_id, world = placed.joined.member_id, placed.world
     head = pb.JoinResponse(member_id=member_id, member_secret=placed.member_secret,
                            lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000)).SerializeToString()
+    encoding = _encoding(world, worlds)
     if world.hosts is not None and member_id in world.hosts:
         seats = (world.assignment_for(worker_id(member_id, i), i) for i in world.hosts[member_id])
+    elif workers:
+        seats = (world.assignment_for(worker_id(member_id, i)) for i in range(workers))
     else:
-        seats = (world.assignment_for(worker_id(member_id, i)) for i in range(max(workers, 1)))
-    return _slices(_world_parts(world), seats, _JOIN_ASSIGNMENT, _JOIN_WORKERS, head)
+        return iter((head + wire.field(_JOIN_ASSIGNMENT, encoding.assignment(world.assignment_for(member_id))),))
+    return _slices(encoding, seats, _JOIN_ASSIGNMENT, _JOIN_WORKERS, head)
 
 
-def _slices(parts: _WorldParts, seats: Iterator[Seat], first: int, each: int, head: bytes = b"") -> Iterator[bytes]:
+def session_sliced(event: SessionEvent, member_id: str) -> bool:
+    """Whether a session event carries many workers' assignments (a host membership's new world): session_slices."""
+    return isinstance(event, NewWorld) and event.hosts is not None and member_id in event.hosts
+
+
+def session_slices(world: NewWorld, member_id: str, worlds: Worlds | None = None) -> Iterator[bytes]:
+    """A host membership's SessionEvent in `world`, as bytes, ANSWER_SLICE workers'
+    assignments at a time (the servicer yields the event loop between two slices)."""
+    seats = (world.assignment_for(worker_id(member_id, i), i) for i in world.hosts[member_id])
+    return _slices(_encoding(world, worlds), seats, _ASSIGNMENT, _WORKER_ASSIGNMENTS)
+
+
+def session_event(event: SessionEvent, member_id: str, worlds: Worlds | None = None) -> pb.SessionEvent | bytes | None:
+    """The message for a session event, a new world's assignment as its
+    encoded bytes; None when the event holds nothing for this member."""
+    if isinstance(event, NewWorld):
+        if session_sliced(event, member_id):
+            return b"".join(session_slices(event, member_id, worlds))
+        seat = event.assignment_for(member_id)
+        return None if seat is None else wire.field(_ASSIGNMENT, _encoding(event, worlds).assignment(seat))
+    if isinstance(event, Reforming):
+        return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason, lost=event.lost))
+    if isinstance(event, Gone):
+        return pb.SessionEvent(gone=event.reason, job_ended=event.ended, job_closed=event.closed)
+    raise TypeError(f"not a session event: {elide(event)}")
+
+
+def _slices(encoding: WorldEncoding, seats: Iterator[Seat], first: int, each: int, head: bytes = b"") -> Iterator[bytes]:
     """`head`, then the seats' assignments: the first's as field `first` and every one's as
     field `each` (tags), ANSWER_SLICE at a time: a message's bytes, to be joined."""
     out = [head]
     for i, seat in enumerate(seats):
-        assignment = parts.assignment(seat)
+        assignment = encoding.assignment(seat)
         if i == 0:
             out.append(wire.field(first, assignment))
         out.append(wire.field(each, assignment))
@@ -249,120 +232,7 @@ def _slices(parts: _WorldParts, seats: Iterator[Seat], first: int, each: int, he
         yield b"".join(out)
 
 
-def _fill_host(m: pb.JoinResponse | pb.SessionEvent, world: NewWorld, member_id: str):
-    """Writes a host membership's workers' assignments into `m` (`assignment`: the first's)."""
-    for seat in world.host_seats(member_id):
-        fill_assignment(m.worker_assignments.add(), seat)
-    m.assignment.CopyFrom(m.worker_assignments[0])
-    return m
-
-
-class _WorldParts:
-    """What the assignments of one world's members share, serialized once: the
-    fields common to all, each node's, each set of changed groups, and each
-    group (members of a node, say, share one)."""
-
-    __slots__ = ("world", "common", "groups", "nodes", "changes")
-
-    def __init__(self, world: NewWorld) -> None:
-        self.world = world  # held, so that the ids keying the caches are not reused meanwhile
-        self.common = _shared_fields(world.job_id, world.generation, world.plan, world.reason, world.lost).SerializeToString()
-        self.groups: dict[int, bytes] = {}  # by id(PlannedGroup): the plans hold their groups
-        self.nodes: dict[int, bytes] = {}  # by node rank: node_rank, local_world_size
-        self.changes: dict[tuple[str, ...], bytes] = {}  # changed_groups
-
-    def group(self, group: PlannedGroup) -> bytes:
-        b = self.groups.get(id(group))
-        if b is None:
-            b = self.groups[id(group)] = pb.Assignment(groups=[_group_message(group)]).SerializeToString()
-        return b
-
-    def node(self, node_rank: int) -> bytes:
-        b = self.nodes.get(node_rank)
-        if b is None:
-            b = self.nodes[node_rank] = _node_fields(self.world.plan, node_rank).SerializeToString()
-        return b
-
-    def changed(self, modes: tuple[str, ...]) -> bytes:
-        b = self.changes.get(modes)
-        if b is None:
-            b = self.changes[modes] = pb.Assignment(changed_groups=modes).SerializeToString()
-        return b
-
-    def assignment(self, seat: Seat) -> bytes:
-        """A worker's Assignment, serialized: the parts it shares and its own fields."""
-        p = seat.placement
-        plan = self.world.plan
-        return b"".join([self.common, self.node(p.node_rank), self.changed(seat.changed_groups),
-                         wire.own_bytes(p.rank, p.local_rank, seat.previous_rank, plan.roles[p.rank] if plan.roles else "",
-                                    seat.worker),
-                         *[self.group(g) for g in seat.groups or plan.groups_of(p)]])
-
-
-
-
-_ASSIGNMENT = pb.SessionEvent.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2
-_WORKER_ASSIGNMENTS = pb.SessionEvent.DESCRIPTOR.fields_by_name["worker_assignments"].number << 3 | 2
-_JOIN_ASSIGNMENT = pb.JoinResponse.DESCRIPTOR.fields_by_name["assignment"].number << 3 | 2
-_JOIN_WORKERS = pb.JoinResponse.DESCRIPTOR.fields_by_name["worker_assignments"].number << 3 | 2
-
-
-# By id(NewWorld): the few worlds being delivered now. Each entry holds its world's
-# plan (most are jobs' current plans anyway); a world pushed out is only encoded anew.
-_worlds: dict[int, _WorldParts] = {}
-_WORLDS_KEPT = 8
-
-
-def _world_parts(world: NewWorld) -> _WorldParts:
-    parts = _worlds.get(id(world))
-    if parts is None or parts.world is not world:
-        if len(_worlds) >= _WORLDS_KEPT:
-            del _worlds[next(iter(_worlds))]  # the oldest: its delivery is over
-        parts = _worlds[id(world)] = _WorldParts(world)
-    return parts
-
-
-def _assignment_bytes(world: NewWorld, member_id: str) -> bytes | None:
-    """The SessionEvent carrying `member_id`'s assignment in `world`, as bytes.
-    A whole world's survivors get theirs at once (10,000 at a re-form), so what
-    they share is serialized once and joined to each member's own fields: a
-    message field that occurs more than once on the wire is merged, and
-    repeated fields keep their order, so the bytes parse to exactly the
-    message fill_assignment builds (a test holds them equal)."""
-    if world.hosts is not None and member_id in world.hosts:  # a host membership: each of its workers', in its order
-        return b"".join(session_slices(world, member_id))
-    seat = world.assignment_for(member_id)
-    return None if seat is None else wire.field(_ASSIGNMENT, _world_parts(world).assignment(seat))
-
-
-def session_sliced(event: SessionEvent, member_id: str) -> bool:
-    """Whether a session event carries many workers' assignments (a host membership's new world): session_slices."""
-    return isinstance(event, NewWorld) and event.hosts is not None and member_id in event.hosts
-
-
-def session_slices(world: NewWorld, member_id: str) -> Iterator[bytes]:
-    """A host membership's SessionEvent in `world`, as bytes, ANSWER_SLICE workers'
-    assignments at a time (the servicer yields the event loop between two slices)."""
-    seats = (world.assignment_for(worker_id(member_id, i), i) for i in world.hosts[member_id])
-    return _slices(_world_parts(world), seats, _ASSIGNMENT, _WORKER_ASSIGNMENTS)
-
-
-def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
-    """A response serializer that sends bytes as they are (messages encoded
-    ahead, as session_event does) and serializes anything else."""
-    return lambda message: message if type(message) is bytes else serialize(message)
-
-
-def session_event(event: SessionEvent, member_id: str) -> pb.SessionEvent | bytes | None:
-    """The message for a session event (a new world's assignment as its
-    encoded bytes); None when the event holds nothing for this member."""
-    if isinstance(event, NewWorld):
-        return _assignment_bytes(event, member_id)
-    if isinstance(event, Reforming):
-        return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason, lost=event.lost))
-    if isinstance(event, Gone):
-        return pb.SessionEvent(gone=event.reason, job_ended=event.ended, job_closed=event.closed)
-    raise TypeError(f"not a session event: {elide(event)}")
+# -- descriptions and events ------------------------------------------------------------------
 
 
 def event_message(e: JobEvent) -> pb.JobEvent:
@@ -405,65 +275,3 @@ def description_message(v: JobView) -> pb.JobDescription:
         ended_at=v.ended_at,
         other_runs=v.other_runs,
     )
-
-
-# -- pages ------------------------------------------------------------------------------
-
-MAX_REPLY_BYTES = 1 << 20  # DescribeJob's reply: fewer nodes than asked if theirs are long (keys, many roles)
-
-
-def page_size(size: int, field: str = "page_size", default: int = PAGE_SIZE, most: int = MAX_PAGE_SIZE) -> int:
-    """A request's page size (0: the default).
-
-    Raises:
-        BadRequest: above `most`, naming `field`.
-    """
-    size = size or default
-    if size > most:
-        raise BadRequest(f"{field} {size} is above the most a {'reply' if field.startswith('node') else 'page'} holds, {most}")
-    return size
-
-
-def position(token: str, field: str, method: str, digits: int) -> int:
-    """Where a numeric page token (as DescribeJob and ListEvents give them) starts; "" is 0.
-
-    Raises:
-        BadRequest: not such a token, naming `field` and `method`.
-    """
-    if token and not (token.isdigit() and token.isascii() and len(token) <= digits):
-        raise BadRequest(f"{field} {elide(token)} is not a token {method} gave")
-    return int(token or 0)
-
-
-def description_page(v: JobView, first: int, max_bytes: int = MAX_REPLY_BYTES) -> pb.JobDescription:
-    """A job's description holding its nodes from `first` on, as many as fit
-    in `max_bytes` (at least one), with the token of the next page."""
-    message = description_message(v)
-    if message.ByteSize() > max_bytes:
-        nodes = list(message.nodes)
-        del message.nodes[:]
-        budget, keep = max_bytes - message.ByteSize(), 0
-        for node in nodes:
-            budget -= node.ByteSize() + 5  # + its tag and length, at most
-            if budget < 0:
-                break
-            keep += 1
-        message.nodes.extend(nodes[:max(keep, 1)])
-    shown = first + len(message.nodes)
-    message.next_node_page_token = str(shown) if shown < v.num_nodes else ""
-    return message
-
-
-def jobs_page(views: list[JobView], more: bool, admin: bool, runs: bool = False) -> pb.ListJobsResponse:
-    """A page of ListJobs: sealed jobs as summaries unless an admin asks; `runs`:
-    a page of runs (include_ended), whose token names the last one's run."""
-    return pb.ListJobsResponse(
-        jobs=[summary_message(v) if v.seal and not admin else description_message(v) for v in views],
-        next_page_token=(page_key(views[-1]) if runs else views[-1].job_id) if more else "")
-
-
-def events_page(events: list[JobEvent], size: int) -> pb.ListEventsResponse:
-    """A page of ListEvents from up to `size` + 1 events (one more: there is a next page)."""
-    shown = events[:size]
-    return pb.ListEventsResponse(events=[event_message(e) for e in shown],
-                                 next_page_token=str(shown[-1].seq) if len(events) > size else "")

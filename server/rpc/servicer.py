@@ -1,6 +1,6 @@
 """The gRPC adapter: decode (codec), await the domain (the state machine, its
-executor, `Joining`), encode (codec). Limits, paging and waiting are the
-domain's; every error leaves through `codec.error_status` (never UNKNOWN)."""
+executor, `Joining`), encode (codec, paging). Limits, paging and waiting are
+the domain's; every error leaves through `status.error_status` (never UNKNOWN)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ from ..rendezvous.shares import Caller
 from ..rendezvous.views import MAX_NODE_PAGE_SIZE, NODE_PAGE_SIZE
 from ..rendezvous.waiting import Joining, Waiters
 from ..rendezvous.watching import JOB_GONE, TooSlow
-from . import codec
-from .auth import Callers, caller_of, is_admin, secret_of
+from ..tokens import Callers
+from . import codec, paging
+from .auth import caller_of, is_admin, secret_of
 from .specs import SpecCache
+from .status import answer_error, error_status
+from .undecodable import Undecodable
 
 T = TypeVar("T")
 
@@ -43,15 +46,16 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         self._joining = Joining(machine, executor, waiters)
         self._rpc_error = rpc_error
         self._specs = SpecCache()
+        self._worlds = codec.Worlds()  # the encodings of the worlds being delivered now
         self._answering = asyncio.Lock()  # encoding a node or host membership's workers' assignments (_encoded)
 
     def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
         """Answers the call with `exc`'s status; the handler then returns None
-        (codec.answer_error: no context.abort, and no exception kept in a local,
+        (status.answer_error: no context.abort, and no exception kept in a local,
         where its traceback would hold the frame: nothing left for the collector)."""
-        status = codec.error_status(exc)
+        status = error_status(exc)
         self._rpc_error(method, status.code.name)
-        codec.answer_error(context, status)
+        answer_error(context, status)
 
     async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], T]) -> T | None:
         try:
@@ -60,15 +64,14 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._fail(context, method, exc)
             return None
 
-    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse | None:
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> bytes | None:
         try:
             params = codec.join_params(request, await self._specs.spec_of(request, self._machine.limits))
             caller = caller_of(context, self._callers)  # its workers count against its share in the machine's join
             placed = await self._joining.join(params, request.member_secret, caller, request.wait_timeout_ms / 1000,
                                               context.time_remaining())
-            if not codec.sliced(placed, request.workers):
-                return codec.join_response(placed)
-            return await self._encoded(codec.join_slices(placed, request.workers))
+            slices = codec.join_slices(placed, request.workers, self._worlds)  # the JoinResponse, encoded
+            return await self._encoded(slices) if codec.many_workers(placed, request.workers) else b"".join(slices)
         except Exception as exc:
             self._fail(context, "Join", exc)
             del exc  # its traceback holds this frame, which would hold it: no cycle
@@ -76,8 +79,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     async def _encoded(self, slices: Iterator[bytes]) -> bytes:
         """A message of many workers' assignments (a node or host membership's): a slice
-        per turn of the event loop, one message at a time (a world's hundred node Joins,
-        woken at once, would otherwise each take a turn: 64 workers x 100 in one turn)."""
+        per turn of the event loop, one message at a time (a world's node Joins, woken
+        at once, would otherwise each encode a slice in the same turn)."""
         async with self._answering:
             out = []
             for piece in slices:
@@ -130,7 +133,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return
         if first is grpc.aio.EOF:
             return
-        if isinstance(first, codec.Undecodable):
+        if isinstance(first, Undecodable):
             self._fail(context, "Session", first.error())
             return
         sink: asyncio.Queue = asyncio.Queue()
@@ -181,9 +184,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                     self._fail(context, "Session", SessionReplaced(event.reason))
                     return
                 if codec.session_sliced(event, member_id):
-                    message = await self._encoded(codec.session_slices(event, member_id))
+                    message = await self._encoded(codec.session_slices(event, member_id, self._worlds))
                 else:
-                    message = codec.session_event(event, member_id)
+                    message = codec.session_event(event, member_id, self._worlds)
                 if message is not None:
                     await context.write(message)
                 if isinstance(event, Gone):
@@ -203,7 +206,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             if request is grpc.aio.EOF:
                 sink.put_nowait(None)  # the client finished the stream
                 return
-            if isinstance(request, codec.Undecodable):
+            if isinstance(request, Undecodable):
                 sink.put_nowait(request.error())  # ends the stream, INVALID_ARGUMENT; the lease runs on
                 return
             try:
@@ -262,10 +265,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         secret, caller = secret_of(context, self._callers, request.job_secret), caller_of(context, self._callers)
 
         def describe() -> pb.JobDescription:
-            size = codec.page_size(request.node_page_size, "node_page_size", NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE)
-            first = codec.position(request.node_page_token, "node_page_token", "DescribeJob", 9)
+            size = paging.page_size(request.node_page_size, "node_page_size", NODE_PAGE_SIZE, MAX_NODE_PAGE_SIZE)
+            first = paging.position(request.node_page_token, "node_page_token", "DescribeJob", 9)
             view = self._machine.describe(check_job_id(request.job_id), secret, first, size, caller, request.run)
-            return codec.description_page(view, first)
+            return paging.description_page(view, first)
 
         return await self._call(context, "DescribeJob", describe)
 
@@ -273,8 +276,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         admin = is_admin(context, self._callers)
 
         def jobs() -> pb.ListJobsResponse:
-            views, more = self._machine.job_page(request.page_token, codec.page_size(request.page_size), request.include_ended)
-            return codec.jobs_page(views, more, admin, request.include_ended)
+            views, more = self._machine.job_page(request.page_token, paging.page_size(request.page_size), request.include_ended)
+            return paging.jobs_page(views, more, admin, request.include_ended)
 
         return await self._call(context, "ListJobs", jobs)
 
@@ -282,9 +285,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         secret, caller = secret_of(context, self._callers, request.job_secret), caller_of(context, self._callers)
 
         def page() -> pb.ListEventsResponse:
-            size = codec.page_size(request.page_size)
-            after = codec.position(request.page_token, "page_token", "ListEvents", 19)
-            return codec.events_page(self._machine.events(check_job_id(request.job_id), after, size + 1, secret, caller,
+            size = paging.page_size(request.page_size)
+            after = paging.position(request.page_token, "page_token", "ListEvents", 19)
+            return paging.events_page(self._machine.events(check_job_id(request.job_id), after, size + 1, secret, caller,
                                                           request.run), size)
 
         return await self._call(context, "ListEvents", page)

@@ -21,12 +21,12 @@ class SpecCache:
     validation is never kept). Big ones are parsed off the event loop."""
 
     SIZE = 256
-    INLINE_BYTES = 4096  # larger: parsed in a worker thread (1,024 rules are 10-15 ms of Python)
+    INLINE_BYTES = 4096  # larger: parsed in a worker thread (a spec of many rules takes the loop too long)
 
     def __init__(self) -> None:
         # One parsing thread, made at the first big spec and shut down by close():
-        # several would each take the GIL from the event loop in turn (20 big specs
-        # at once: 65 ms of loop lag with the default pool, 16 ms inline).
+        # several would each take the GIL from the event loop in turn, and a burst
+        # of big specs would lag the loop more than parsing them inline.
         self._parser: concurrent.futures.ThreadPoolExecutor | None = None
         self._specs: collections.OrderedDict[bytes, JobSpec] = collections.OrderedDict()
         self._parsing: dict[bytes, asyncio.Future[JobSpec]] = {}  # big specs being parsed: one parse for a burst

@@ -1,7 +1,6 @@
 """Requests that do not parse, at the RPC edge: the deserializer answers
 `Undecodable` instead of raising (gRPC would answer UNKNOWN and log a
-traceback per request), and logs at most a line a minute of them. Moved out
-of codec.py, which re-exports them (codec.Undecodable, codec.tolerant)."""
+traceback per request), and logs at most a line a minute of them."""
 
 from __future__ import annotations
 

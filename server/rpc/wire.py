@@ -1,9 +1,12 @@
 """Protobuf's wire format by hand, for what the server encodes once per worker
-of a world (a 100,000-worker re-form makes 100,000): a length-delimited field
-around bytes encoded ahead, and a worker's own assignment fields. The bytes
-parse to exactly what the generated classes would make (tests hold them equal)."""
+of a world (a re-form encodes one assignment per worker): a length-delimited
+field around bytes encoded ahead, a worker's own assignment fields, and the
+response serializer that sends such bytes as they are. The bytes parse to
+exactly what the generated classes would make (tests/test_planner.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from commctx.v1 import rendezvous_pb2 as pb
 
@@ -29,7 +32,7 @@ def field(tag: int, payload: bytes) -> bytes:
 
 
 def own_bytes(rank: int, local_rank: int, previous_rank: int | None, role: str, worker: int) -> bytes:
-    """codec._own_fields serialized, as protobuf would (by hand: each worker's assignment makes one)."""
+    """The fields of an Assignment that are one worker's alone, serialized as protobuf would."""
     out = []
     if rank:
         out += (_RANK, varint(rank))
@@ -43,6 +46,12 @@ def own_bytes(rank: int, local_rank: int, previous_rank: int | None, role: str, 
     if worker:
         out += (_WORKER, varint(worker))
     return b"".join(out)
+
+
+def pass_bytes(serialize: Callable[[object], bytes]) -> Callable[[object], bytes]:
+    """A response serializer that sends bytes as they are (messages encoded
+    ahead, as the codec's assignments are) and serializes anything else."""
+    return lambda message: message if type(message) is bytes else serialize(message)
 
 
 def _tag(name: str, wire_type: int) -> bytes:

@@ -45,30 +45,52 @@ import importlib.resources
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import prometheus_client
 from aiohttp import web
 
 from commctx.common.planning import expand
 
-from ..errors import LimitExceeded, NotFound, Refusal, Sealed
-from ..rendezvous.model import JobEvent
+from ..errors import LimitExceeded, NotFound, NotLeader, Refusal, Sealed
+from ..rendezvous.model import JobEvent, Limits
 from ..rendezvous.params import check_job_id
 from ..rendezvous.reports import JobView
 from ..rendezvous.shares import TOKEN, Caller
 from ..rendezvous.views import MAX_NODE_PAGE_SIZE, MAX_PAGE_SIZE, NODE_PAGE_SIZE, PAGE_SIZE, page_key
 from ..rendezvous.watching import JOB_GONE, TooSlow
-from ..rpc.auth import ADMIN, Callers
+from ..tokens import ADMIN, Callers
 from .connections import AiohttpLog, Connections, peer_ip, short
 
 if TYPE_CHECKING:
+    from ..rendezvous.executor import Executor
     from ..rendezvous.machine import Rendezvous
-    from ..rpc.app import RendezvousServer
 
 GROUP_EXAMPLES = 8  # groups listed per mode (the rest counted)
 ASSETS = {"app.js": "application/javascript", "style.css": "text/css"}
 log = logging.getLogger("commctx.server")
+
+
+class ServedTerm(Protocol):
+    """A term of the server the HTTP port serves beside: its state machine and executor."""
+
+    machine: Rendezvous
+    executor: Executor
+
+
+class Served(Protocol):
+    """What the HTTP port reads of the server it serves beside (rpc/app.py
+    RendezvousServer): whether it leads, and the term that serves now."""
+
+    leader: str  # the leader's address, as a replica that does not lead knows it
+    term: ServedTerm | None  # None: not leading
+
+    @property
+    def limits(self) -> Limits: ...
+
+    def serving(self) -> ServedTerm:
+        """The term serving now. Raises NotLeader when the server may not answer."""
+        ...
 
 
 class WebServer:
@@ -82,7 +104,7 @@ class WebServer:
     HEADER_S = 10.0  # a request's line and headers complete this long after their first byte, else closed
     HEARTBEAT_S = 15.0  # an event stream's keep-alive comment, inside proxies' idle timeouts
 
-    def __init__(self, server: RendezvousServer, registry: prometheus_client.CollectorRegistry, callers: Callers | None) -> None:
+    def __init__(self, server: Served, registry: prometheus_client.CollectorRegistry, callers: Callers | None) -> None:
         self._server = server
         self._registry = registry
         self._callers = callers
@@ -220,16 +242,15 @@ class WebServer:
         digest, role = self._callers.lookup([("authorization", request.headers.get("Authorization", ""))])
         return Caller(TOKEN + digest.hex(), "this token", role == ADMIN)
 
-    def _machine(self) -> Rendezvous:
-        term = self._server.term
-        if term is None or not self._server.leading():
-            leader = self._server.not_leader()
-            raise _error(web.HTTPServiceUnavailable, str(leader), leader=leader.leader or None)
-        return term.machine
+    def _term(self) -> ServedTerm:
+        try:
+            return self._server.serving()
+        except NotLeader as leader:
+            raise _error(web.HTTPServiceUnavailable, str(leader), leader=leader.leader or None) from None
 
     async def _jobs(self, request: web.Request) -> web.Response:
         admin = self._admin(request)
-        machine = self._machine()
+        machine = self._term().machine
         size = min(_number(request, "page_size", PAGE_SIZE, 1), MAX_PAGE_SIZE)  # a huge page is capped
         ended = request.query.get("ended", "") in ("1", "true")  # the runs that ended and are kept, too
         views, more = machine.job_page(request.query.get("page_token", ""), size, ended)
@@ -244,26 +265,27 @@ class WebServer:
         token = (page_key(views[-1]) if ended else views[-1].job_id) if more else ""
         return _json({"jobs": jobs, "next_page_token": token})
 
-    def _view(self, request: web.Request, first: int = 0, count: int | None = 0) -> tuple[Rendezvous, JobView]:
+    def _view(self, request: web.Request, first: int = 0, count: int | None = 0) -> tuple[ServedTerm, JobView]:
         admin = self._admin(request)
-        machine = self._machine()
+        term = self._term()
         job_id = request.match_info["job_id"]
         run = _number(request, "run", 0, 0)  # 0: the live run, else the latest that ended
         try:
             check_job_id(job_id)
-            view = machine.describe(job_id, None if admin else "", first, count, run=run)
+            view = term.machine.describe(job_id, None if admin else "", first, count, run=run)
         except NotFound as exc:
             raise _error(web.HTTPNotFound, str(exc)) from None
         except Sealed:
             raise _error(web.HTTPForbidden, f"job {job_id!r} is sealed: only an admin token shows it") from None
         except Refusal as exc:
             raise _error(web.HTTPBadRequest, str(exc)) from None
-        return machine, view
+        return term, view
 
     async def _job(self, request: web.Request) -> web.Response:
         first = _number(request, "node_page_token", 0, 0)
         size = min(_number(request, "node_page_size", NODE_PAGE_SIZE, 1), MAX_NODE_PAGE_SIZE)
-        machine, view = self._view(request, first, size)
+        term, view = self._view(request, first, size)
+        machine = term.machine
         ended = bool(view.ended_at)  # a run that ended: who took part, no workers or groups held any more
         workers = {} if ended else machine.workers(view.job_id, [n.node_key for n in view.nodes])
         plan = None if ended else machine.plan_of(view.job_id)
@@ -292,7 +314,8 @@ class WebServer:
         return _json(out)
 
     async def _events(self, request: web.Request) -> web.Response:
-        machine, view = self._view(request)
+        term, view = self._view(request)
+        machine = term.machine
         size = min(_number(request, "page_size", PAGE_SIZE, 1), MAX_PAGE_SIZE)
         events = machine.events(view.job_id, _number(request, "after", 0, 0), size + 1, run=view.run)
         shown = events[:size]
@@ -303,7 +326,8 @@ class WebServer:
         """Server-sent events: the kept events after `after` (or Last-Event-ID),
         then each new one; `event: end` when the job is gone; `event: error`
         when the reader fell too far behind (reconnecting resumes from the last id)."""
-        machine, view = self._view(request)
+        term, view = self._view(request)
+        machine = term.machine
         after = _number(request, "after", 0, 0)
         last_id = request.headers.get("Last-Event-ID", "")
         if last_id.isdigit() and len(last_id) < 20:
@@ -318,7 +342,7 @@ class WebServer:
             machine.shares.open_stream(caller, "open streams")
         except LimitExceeded as exc:
             raise _error(web.HTTPTooManyRequests, str(exc)) from None
-        watchers = self._server.executor.watchers
+        watchers = term.executor.watchers
         watch = watchers.open(view.job_id, machine.events(view.job_id, after))  # no await in between
         machine.shares.live.add(caller, watch.end)  # a revoked token's stream ends
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
