@@ -201,7 +201,7 @@ class Endpoints:
 
     def unhealable(self, exc: grpc.RpcError, address: str, probe_timeout_s: float = 1.0) -> errors.RendezvousError | None:
         """The error that ends a join at once when `exc`, a failed call to replica `address`, will not
-        heal by trying again (see the module's unhealable), else None."""
+        heal by trying again (see transport.unhealable), else None."""
         server_name = self._name[0] if self._name is not None and is_ip(split_address(address)[0]) else ""
         return unhealable(exc, address, self.tls, self._token is not None, server_name, probe_timeout_s)
 

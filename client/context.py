@@ -4,8 +4,8 @@ mode to group record) and, once joined, a membership (join, rejoin, destroy).
 A process-wide singleton (`CommContext()` always returns the same object until
 `destroy()` resets it). `CommContext.join(...)` joins a job on a rendezvous
 server, initialises torch.distributed through the tcp:// URL it was given and
-builds every group of the plan; `init_distributed_env(...)` still works alone,
-as in the seed. CUDA is touched only when the backend is NCCL.
+builds every group of the plan; `init_distributed_env(...)` works alone too,
+without a server, as the seed API's. CUDA is touched only when the backend is NCCL.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ class CommContext:
 
     def _joined(self) -> Membership:
         if self._membership is None:
-            raise UsageError("no rendezvous session: this process did not join (use CommContext.join)")
+            raise UsageError("not a member of a job: this process did not join (use CommContext.join)")
         if self._membership.session is None:
             raise UsageError("this worker was started by torchrun --rdzv-backend=commctx: its agent holds the "
                                    "membership and restarts the workers into the next world")

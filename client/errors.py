@@ -19,7 +19,7 @@ class UsageError(CommCtxError):
     already initialised, a value it cannot know)."""
 
 
-# Its name before 0.2, kept for code that catches it.
+# UsageError's other name, kept for code that catches it by that name.
 CommContextError = UsageError
 
 
@@ -29,7 +29,7 @@ class InvalidArgument(UsageError, ValueError):
     address that is not host:port, a malformed token or job secret. Raised at
     the call, before any wait or network call; the one-line message names the
     argument and says what is expected (never a secret's value). Also a
-    ValueError, as these were before."""
+    ValueError, so that code catching a ValueError for a bad value catches it."""
 
 
 class GroupNotFound(UsageError, KeyError):
@@ -132,7 +132,7 @@ class ConnectionMismatch(ServerUnavailable):
     or their COMMCTX_* variables). `code` is the call's status ("UNAVAILABLE",
     or "UNIMPLEMENTED" for another gRPC service) and `reason`
     "CONNECTION_MISMATCH", the client's own (no server sent it). A
-    ServerUnavailable, as these errors were before they were told apart."""
+    ServerUnavailable, so that code catching an unreachable server catches it too."""
 
 
 class ServerFull(RendezvousError):

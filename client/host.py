@@ -5,7 +5,7 @@ lease and one session for the CommContext workers of one job and node key on
 one machine, each worker seated with its own role. One of them, the first to
 take the host's lock, also runs the `Hub`: it holds the membership, its Join
 and its session with the server, and a Unix socket the host's workers (itself
-included) reach it on, each as a `LocalSession`. The socket lives in a
+included) reach it on, each as a `HostLink`. The socket lives in a
 per-user runtime directory (mode 0700: only this user's processes reach it),
 named after the server, job and node key.
 
@@ -56,9 +56,11 @@ log = logging.getLogger("commctx")
 RECONNECT_S = 2.0  # how long a worker tries to reach a new hub after its hub went
 
 
-class LocalSession(News):
-    """A worker's membership, through its host's hub: the interface of Session
-    that CommContext uses (news, failure reports, leaving)."""
+class HostLink(News):
+    """A worker's end of the host link: its part in the member its host's
+    workers share, reached through the hub. It offers what CommContext uses of
+    a Session (news, failure reports, leaving), and starts the hub when no
+    process of the host runs one."""
 
     def __init__(self, server_addr: str, job: HostJob, paths: tuple[str, str], worker: dict) -> None:
         super().__init__()

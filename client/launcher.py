@@ -14,7 +14,7 @@ from .slurm import SlurmStep
 
 log = logging.getLogger("commctx")
 
-# Variables renamed: the old name is still read, with a warning, when the new one is not set.
+# Variables renamed: the old name is read, with a warning, when the new one is not set.
 RENAMED_VARIABLES = {"COMMCTX_JOB_ID": "COMMCTX_JOB"}
 _warned_renamed: set[str] = set()  # old names warned about in this process (once each)
 

@@ -1,6 +1,6 @@
 """A worker's life in a job: join, enter each world, rejoin, leave.
 
-`Membership` owns what that life holds: the session with the server, the
+`Membership` owns what that life holds besides the stream to the server: the
 spare listening socket (a port the server may hand to this worker when it
 becomes rank 0 of a world: no "bind port 0, close, hope" race), the TCPStore
 this process serves while it is rank 0, and the launcher variables it
@@ -26,7 +26,7 @@ from .addresses import server_addresses
 from .assignment import Assignment
 from .credentials import Tls
 from .errors import InvalidRequest, ServerUnavailable, UsageError
-from .host import LocalSession, host_worker
+from .host import HostLink, host_worker
 from .host_wire import link_paths
 from .hub import HostJob
 from .launcher import LauncherEnv
@@ -64,8 +64,14 @@ def advertised_address(server_addr: str, advertise_addr: str | None, timeout_s: 
         raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: host {host!r}: "
                                 f"{exc.strerror or exc}") from None
 
+
 class Membership:
-    """One worker's membership in one job. Create with `Membership.join`.
+    """What one worker holds as a member of a job, besides the stream to the
+    server: its spare listening socket, the TCPStore it serves while rank 0,
+    the world it is in, and the launcher variables it exported. It reaches the
+    server through `session`: its own Session or, where the workers of a host
+    share one member, the HostLink to the hub that holds the Session for them.
+    Create with `Membership.join`.
 
     With `abort_on_change`, the session thread aborts the current world's
     process groups as soon as the server says members of it went without a
@@ -73,7 +79,7 @@ class Membership:
     another reason than its job finishing: a collective blocked on a dead or
     hung peer raises then instead of at torch's timeout (world.py says how)."""
 
-    def __init__(self, session: Session | LocalSession, address: str, backend: str, collective_timeout_s: int,
+    def __init__(self, session: Session | HostLink, address: str, backend: str, collective_timeout_s: int,
                  spare: socket.socket | None, env: MutableMapping[str, str], *, abort_on_change: bool = True,
                  keep: Peer = lambda peer: False) -> None:
         self.session = session
@@ -117,7 +123,7 @@ class Membership:
             worker = host_worker(request.role, request.local_rank if request.HasField("local_rank") else None, timeout_s)
             request.ClearField("role")
             request.ClearField("local_rank")
-            local = LocalSession(server_addr, HostJob(server_addr, request, tls, token),
+            local = HostLink(server_addr, HostJob(server_addr, request, tls, token),
                                  link_paths(server_addr, request.job_id, request.node_key), worker)
             try:
                 local.join(timeout_s, progress_s)
@@ -182,7 +188,7 @@ class Membership:
         a = self.session.assignment
         self._export_env(a)
         if a.rank == 0:
-            hosted = isinstance(self.session, LocalSession)  # the host's hub holds the spare and passed it on
+            hosted = isinstance(self.session, HostLink)  # the host's hub holds the spare and passed it on
             if hosted:
                 spare = self.session.take_spare(a.generation, a.master_port)
             else:

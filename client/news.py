@@ -1,13 +1,13 @@
-"""A worker's news of its world: what the server pushes, applied in one place.
+"""A member's news of its world: what the server pushes, applied in one place.
 
 `News` holds what a worker knows of its membership between calls: its
 current assignment, the next one pushed but not yet taken, the pending world
 change, whether the membership is over, and the callbacks that hear of these
 (the user's `on_world_changed`, the membership's `on_world_ended`, which
 aborts a world members went from without a Leave). `apply` takes one
-SessionEvent. Two transports feed it: `Session`, a worker's own stream to
-the server, and `host.LocalSession`, a worker of a host membership fed by the
-worker that holds the host's stream.
+SessionEvent. Two classes feed it: `Session`, a member's own stream to the
+server, and `host.HostLink`, a worker of a host membership, fed by the hub
+that holds the host's Session.
 """
 
 from __future__ import annotations

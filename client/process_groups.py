@@ -18,10 +18,10 @@ under different names forever. Naming groups after the plan avoids that and
 keeps a stale process of an older generation out of a newer world's groups.
 The torch internals this needs are in _torch.py.
 
-Measured (benchmarks/group_build.py, 8 processes, gloo, tp=pp=dp=2): about
-a fifth faster than every rank creating every group, and a third faster than
-new_subgroups_by_enumeration (README, "Measured"). split_group, which would use ncclCommSplit,
-needs a default group bound to an accelerator and has no gloo form.
+Members-only creation is faster than every rank creating every group and than
+new_subgroups_by_enumeration (benchmarks/group_build.py; the numbers are in
+docs/benchmarks.md). split_group, which would use ncclCommSplit, needs a
+default group bound to an accelerator and has no gloo form.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A worker's membership: join, wait for the assignment, then hold a session.
+"""A member's stream to the server: join, wait for the assignment, then hold a session.
 
 The session is one bidirectional stream owned by one background thread: its
 messages renew the lease (every TTL/3) and carry the worker's spare port; on
@@ -54,7 +54,7 @@ from .transport import NOT_LEADER, error_from_rpc, leader_hint, why_unreachable
 
 log = logging.getLogger("commctx")
 
-__all__ = ["Session", "WorldChange", "backoff"]  # WorldChange lived here before news.py
+__all__ = ["Session", "WorldChange", "backoff"]  # WorldChange: what a Session announces, defined in news.py
 
 _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL")
 _TIMEOUT = pb.ErrorReason.Name(pb.RENDEZVOUS_TIMEOUT)
@@ -63,8 +63,7 @@ BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 JOIN_BACKOFF_MAX_S = 3.0  # before the lease is known
 # A Join that has not reached the server for this long logs a warning, and
-# another every UNREACHABLE_WARN_EVERY_S while it still has not (module
-# constants: a test may shorten them).
+# another every UNREACHABLE_WARN_EVERY_S while it still has not.
 UNREACHABLE_WARN_AFTER_S = 5.0
 UNREACHABLE_WARN_EVERY_S = 30.0
 
@@ -110,8 +109,10 @@ def backoff(attempt: int, max_s: float = BACKOFF_MAX_S) -> float:
 
 
 class Session(News):
-    """One membership in one job on one rendezvous server: its news (News),
-    fed by its own stream to the server."""
+    """A member's stream to the rendezvous server. It owns the channels to the
+    server's replicas, the member's id and secret, its Join, and the thread
+    that holds the session stream: renewing the lease, reporting failures and
+    departures, and applying the server's news (News) as it comes."""
 
     def __init__(self, server_addr: str, tls: Tls | None = None, token: str | None = None) -> None:
         """`server_addr`: 'host:port', or a comma-separated list of the replicas'.

@@ -12,7 +12,7 @@ world at once, from any thread:
     a blocked all_reduce still waited out its timeout after abort() and
     shutdown()), so the TCP connections the world's process groups opened
     are shut down instead; the blocked send or receive fails at once with
-    gloo's "Connection closed by peer" (within 10 ms, measured).
+    gloo's "Connection closed by peer".
 
 Which connections: the TCP connections this process opened while the world
 was being built (Linux's /proc/self/fd, compared before and after; nothing
