@@ -11,10 +11,11 @@ import enum
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from commctx.common.planning import Candidate, JobSpec, Placement, PlannedGroup, WorldPlan
+from commctx.common.planning import Candidate, JobSpec, Placement, PlannedGroup, WorldPlan, elide
 
+from ..errors import NotFound
 from .deadlines import Deadline
-from .params import JoinParams, role_counts
+from .params import JoinParams, role_counts, secret_matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Limits:
     max_events_per_job: int = 1000  # a job's history keeps its last this many events
     caller_share: float = 0.25  # what one caller (token, client certificate or peer address) may hold of each limit
     # Workers one job holds (its world, standbys and joiners waiting): 2**17, a 100,000-GPU world and room to
-    # grow or stand by; a world of 1,048,576 stalled the server for 17.85 s before worlds were bounded (issue 37).
+    # grow or stand by; an unbounded world would hold the event loop for as long as it takes to plan.
     max_world_size: int = 131_072
     max_workers_per_caller: int = 131_072  # workers one caller holds, waiting or placed: one largest world at once
 
@@ -401,6 +402,22 @@ class Job:
         return NewWorld(self.job_id, self.generation, self.plan, previous, self.reason,
                         self.formed_abandoned if previous is not None else False, self.hosts)
 
+    def member(self, member_id: str, secret: str | None = None) -> Member:
+        """The member, if `secret` is its secret (None: not asked, a call on
+        an already authenticated session). A wrong secret gets the answer an
+        unknown member gets.
+
+        Raises:
+            NotFound: no such member, or not its secret.
+        """
+        member = self.members.get(member_id)
+        if member is None or (secret is not None and not secret_matches(member.secret, secret)):
+            raise NotFound(
+                f"member {elide(member_id)} is not in job {self.job_id!r} (it left, its lease expired, "
+                f"or it never joined); join again"
+            )
+        return member
+
     def survivors(self) -> list[str]:
         """Members seated in `plan` that are still here."""
         return [mid for mid in self.members if self.in_world(mid)]
@@ -414,6 +431,15 @@ class Job:
         if self.spec.min_size is not None:
             return what + (f"; {missing} missing for the minimum of {self.spec.min_size}" if missing > 0 else "; waiting for the last call")
         return f"{what}; {missing} missing"
+
+
+@dataclasses.dataclass(eq=False)
+class Jobs:
+    """The jobs a machine holds, as its parts share them (the Rendezvous owns it)."""
+
+    live: dict[str, Job] = dataclasses.field(default_factory=dict)  # each job id's run under way
+    members: int = 0  # across all jobs (--max-members)
+    seq: int = 0  # the join order of the latest member, kept across restarts
 
 
 class Refusals:

@@ -24,8 +24,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..errors import LimitExceeded
+from ..errors import LimitExceeded, Sealed
 from .model import Limits
+from .params import job_secret_matches
 
 log = logging.getLogger("commctx.server")
 
@@ -172,3 +173,18 @@ class Guesses:
             log.warning("wrong_job_secrets", extra={"fields": {"caller": caller.shown, "job": job_id, "blocked_s": self.BLOCK_S}})
         while len(self._by) > self.KEPT:
             self._by.popitem(last=False)
+
+    def unseal(self, job_id: str, seal: str, secret: str | None, caller: Caller, what: str) -> None:
+        """Passes when `secret` opens the job sealed with `seal` (None: not
+        asked, for operators and the server); counts a wrong one.
+
+        Raises:
+            LimitExceeded: a wrong secret, from a caller that gave too many
+                wrong ones for this job lately (a right one always passes).
+            Sealed: `secret` does not open the job (`what`: what to do instead).
+        """
+        if secret is None or job_secret_matches(seal, secret):
+            return
+        self.check(caller, job_id)  # only guessers are slowed: the team that holds the secret never is
+        self.failed(caller, job_id)
+        raise Sealed(f"job {job_id!r} is sealed: {what}")
