@@ -353,9 +353,7 @@ def test_the_session_warning_names_the_replica_it_moves_to(caplog):
     session = Session(f"{leader.address},{dead}")
     try:
         session.join(join_request("ff-failover", 1), 20.0, progress_s=0)
-        # Time that must pass, not a wait for something: a stream that worked for over a second has its drop
-        # reconnected at once, to the next replica.
-        time.sleep(1.5)
+        time.sleep(1.5)  # time that must pass, not a wait for something: a stream over 1 s old moves to the next replica at once
         leader.kill()
         said = wait_until(lambda: [r.getMessage() for r in caplog.records if "unreachable (" in r.getMessage()],
                           what="the session's warning")

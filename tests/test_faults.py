@@ -230,7 +230,7 @@ async def test_join_storm_with_disconnects_and_rejoins():
             for i in range(world):
                 calls[i] = stub.Join(request(i, ids[i]))
                 if rng.random() < 0.2:
-                    await asyncio.sleep(0)  # the scenario, not a wait for something: a yield now and then, so Joins arrive in waves
+                    await asyncio.sleep(0)  # the scenario, not a wait for something: a yield now and then, Joins in waves
             tasks = {i: asyncio.ensure_future(c) for i, c in calls.items()}
 
             async def forming() -> bool:
