@@ -9,6 +9,7 @@ import pytest
 
 from commctx.common.planning import JobSpec, PlanError, plan_world
 from commctx.server.errors import AlreadyExists, BadRequest, Closed, Conflict, Full, NotFound, Stale
+from commctx.server.rendezvous.leases import Lessor
 from commctx.server.rendezvous.machine import Actions, Rendezvous
 from commctx.server.rendezvous.model import Gone, JobState, JobStopped, Limits, MemberGone, NewWorld, Reforming, Replaced
 from commctx.server.rendezvous.params import JoinParams
@@ -313,7 +314,7 @@ def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, clock):
     assert not rdzv.expire_due()[0]
     other, _ = join(rdzv, params(spec))
     # The first lease is the TTL plus the time to open the world's sessions (1 ms per member).
-    assert rdzv.next_deadline() == clock.now + TTL + 2 * Rendezvous.SESSION_OPEN_S
+    assert rdzv.next_deadline() == clock.now + TTL + 2 * Lessor.SESSION_OPEN_S
     clock.now += 9.0
     assert rdzv.keep_alive("job", waiting, 1)[:2] == (TTL, 1)
     clock.now += 2.0  # `other` is now 11 s without renewal, `waiting` 2 s
@@ -335,7 +336,7 @@ def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, clock):
 def test_renewals_do_not_touch_the_deadline_heap(rdzv, clock):
     spec = JobSpec.build(100)
     members = [join(rdzv, params(spec, f"n{i % 10}"))[0] for i in range(100)]
-    heap = rdzv._leases
+    heap = rdzv.lessor
     assert len(heap) == 100
     for _ in range(30):  # 30 renewals of every member within one TTL
         clock.now += TTL / 40
@@ -539,12 +540,12 @@ def test_a_hung_member_is_found_at_its_lease_not_before(rdzv, clock):
 
 
 def test_once_renewed_a_member_is_bound_by_its_lease_not_its_stretched_first_one(rdzv, clock, monkeypatch):
-    monkeypatch.setattr(Rendezvous, "SESSION_OPEN_S", 5.0)  # 3 workers: a first lease TTL + 15 s, as 15,000 would have
+    monkeypatch.setattr(Lessor, "SESSION_OPEN_S", 5.0)  # 3 workers: a first lease TTL + 15 s, as 15,000 would have
     spec = JobSpec.build(3)
     ids = [join(rdzv, params(spec, f"n{i}"))[0] for i in range(3)]
     formed = clock.now
     assert rdzv.next_deadline() == formed + TTL + 15
-    heap = rdzv._leases
+    heap = rdzv.lessor
     before = len(heap)
     clock.now += 1
     for m in ids:  # the sessions open and renew: each leaves its first lease with one push
@@ -565,7 +566,7 @@ def test_once_renewed_a_member_is_bound_by_its_lease_not_its_stretched_first_one
 
 def test_a_flapping_member_costs_constant_heap_and_never_re_forms_the_world(rdzv, clock):
     ids, sinks = elastic_world(rdzv)
-    heap = rdzv._leases
+    heap = rdzv.lessor
     sink = sinks[ids[0]]
     for i in range(1000):
         rdzv.close_session("job", ids[0], sink, departed=True)

@@ -1,26 +1,81 @@
 """Admission: who may join a job and on what terms; what a Join, a re-attaching
-Join, a refused one and a withdrawn one do to the job.
-
-A mixin of `Rendezvous` (machine.py): one concern of the state machine per
-file; the state is the machine's."""
+Join, a refused one and a withdrawn one do to the job. A decider: it is given
+a Join's parameters and returns the `Actions` they imply."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 
 from ..errors import AlreadyExists, Closed, Conflict, Full, LimitExceeded, Refusal, Sealed, Stale
 from .actions import Actions
-from .model import EventKind, Job, JobState, Joined, Lease, Member, NewWorld, Node, Note, worker_id
+from .forming import Forming
+from .history import History
+from .leases import Lessor
+from .leaving import Leaving
+from .model import EventKind, Job, Jobs, JobState, Joined, Lease, Limits, Member, NewWorld, Node, Note, worker_id
 from .params import JoinParams, Slot, check_world_size
-from .shares import JOBS, SERVER, WORKERS, Caller
+from .shares import JOBS, SERVER, WORKERS, Caller, Guesses, Shares
 from .store import PutJob, PutMember, member_record
 
 log = logging.getLogger("commctx.server")
 
 
+def add_member(job: Job, member_id: str, p: JoinParams, seq: int) -> Member:
+    """Enters a member in the job's node, rank and role bookkeeping (undone by Leaving.remove)."""
+    node = job.nodes.get(p.node_key)
+    if node is None:
+        node = job.nodes[p.node_key] = Node(p.node_key, p.address, p.host)
+    elif p.address not in node.addresses:
+        node.addresses += (p.address,)
+    if p.node_rank is not None and node.node_rank is None:
+        node.node_rank = p.node_rank
+        job.node_ranks[p.node_rank] = node.key
+    if p.local_rank is not None:
+        node.local_ranks[p.local_rank] = member_id
+    if p.workers > 1 or p.slots or job.spec.nodes:  # a node or host membership: its node alone
+        node.agent = member_id
+    member = job.members[member_id] = Member(node, p, seq)
+    count_in(job, node, member_id, p.slots, p.roles())
+    return member
+
+
+def count_in(job: Job, node: Node, member_id: str, slots: tuple[Slot, ...], roles: list[tuple[str, int]]) -> None:
+    """Counts workers joining (a member's, or a host membership's newcomers) in the node, role and job bookkeeping."""
+    for s in slots:
+        if s.local_rank is not None:
+            node.local_ranks[s.local_rank] = worker_id(member_id, s.index)
+    for role, count in roles:
+        node.workers += count
+        node.roles[role] = node.roles.get(role, 0) + count
+        job.role_counts[role] = job.role_counts.get(role, 0) + count
+        job.workers += count
+    job.version += 1
+
+
 class Admission:
-    """Joining, re-attaching, the checks a Join passes, and withdrawing a Join that ended unplaced."""
+    """Joining, re-attaching, the checks a Join passes, and withdrawing a Join
+    that ended unplaced. Its state: the machine's jobs (shared), the limits and
+    callers' shares a Join is held to, the wrong-secret counts, how member ids
+    are made, and the outbox: what a refused Join still implies (its event),
+    which the executor takes with the next actions (`take_outbox`)."""
+
+    def __init__(self, jobs: Jobs, limits: Limits, shares: Shares, guesses: Guesses, lessor: Lessor, forming: Forming,
+                 leaving: Leaving, history: History, clock: Callable[[], float], wall: Callable[[], float],
+                 new_member_id: Callable[[], str]) -> None:
+        self._jobs = jobs
+        self._limits = limits
+        self._shares = shares
+        self._guesses = guesses
+        self._lessor = lessor
+        self._forming = forming
+        self._leaving = leaving
+        self._history = history
+        self._clock = clock
+        self._wall = wall
+        self._new_member_id = new_member_id
+        self.outbox = Actions()
 
     def join(self, p: JoinParams, caller: Caller = SERVER) -> tuple[Joined, Actions, NewWorld | None]:
         """Registers a worker, or re-attaches one that joined before with the
@@ -39,7 +94,7 @@ class Admission:
             LimitExceeded: the server holds its maximum of members or jobs, or
                 the caller its share of jobs (shares.py).
         """
-        job = self._jobs.get(p.job_id)
+        job = self._jobs.live.get(p.job_id)
         if job is not None:
             try:
                 self._check_seal(job, p, caller)  # first: a stranger learns nothing about a sealed job
@@ -63,58 +118,59 @@ class Admission:
                 raise
         else:
             self._check_not_ended(p)
-            check_world_size(p, 0, self.limits.max_world_size)
+            check_world_size(p, 0, self._limits.max_world_size)
             self._check_room(p)
-        if job is None and len(self._jobs) >= self.limits.max_jobs:
-            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_jobs} jobs (--max-jobs); "
+        if job is None and len(self._jobs.live) >= self._limits.max_jobs:
+            raise LimitExceeded(f"this server holds its maximum of {self._limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
-        self.shares.take(WORKERS, caller, p.workers)  # the workers a caller holds, waiting or placed (--max-workers-per-caller)
+        self._shares.take(WORKERS, caller, p.workers)  # the workers a caller holds, waiting or placed (--max-workers-per-caller)
         if job is None:
             try:
                 for role, _ in p.roles():
                     p.spec.check_declared(p.job_id, role)
-                self.shares.take(JOBS, caller)  # last: nothing to give back if it refuses
+                self._shares.take(JOBS, caller)  # last: nothing to give back if it refuses
             except Exception:
-                self.shares.give(WORKERS, caller, p.workers)
+                self._shares.give(WORKERS, caller, p.workers)
                 raise
         now = self._clock()
         actions = Actions()
         if job is None:  # a new run of this id: an earlier one that ended stays kept, as one of its runs
-            job = self._jobs[p.job_id] = Job(p.job_id, p.spec, p.loopback, now, self._next_run(p.job_id), self._wall())
+            job = self._jobs.live[p.job_id] = Job(p.job_id, p.spec, p.loopback, now, self._history.next_run(p.job_id),
+                                                  self._wall())
             job.seal, job.creator = p.seal, caller
-            actions.writes.append(PutJob(self._record(job)))
+            actions.writes.append(PutJob(self._history.record(job)))
         member_id = p.member_id or self._new_member_id()
-        self._seq += 1
-        member = self._add_member(job, member_id, p, self._seq)
+        self._jobs.seq += 1
+        member = add_member(job, member_id, p, self._jobs.seq)
         member.caller, member.held = caller.key, 0 if caller.exempt else p.workers
-        self._members += 1
+        self._jobs.members += 1
         job.last_arrival = now
         actions.writes.append(PutMember(job.job_id, member_record(member_id, member)))
         actions.notes.append(Note("join", {"job": job.job_id, "member": member_id, "node": member.node_key, "role": p.role,
                                            "joined": job.workers, "world_size": job.spec.world_size}))
         what = f"{p.workers} workers of node {p.node_key!r}" if p.workers > 1 else f"a worker of node {p.node_key!r}"
-        self._event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; {job.count()}",
+        self._history.event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; {job.count()}",
                     actions, member=member_id, node=p.node_key, role=p.role, workers=p.workers)
         if job.state is JobState.FORMED:
             waiting = job.workers - job.placed
-            if (job.workers == len(job.members) and not job.spec.nodes) or self._grows(job):
-                self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
+            if (job.workers == len(job.members) and not job.spec.nodes) or self._forming.grows(job):
+                self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
         else:
-            self._maybe_form(job, actions)
-        self._arm_last_call(job)
-        return Joined(job.job_id, member_id, self.lease_ttl_s, job.workers), actions, None
+            self._forming.maybe_form(job, actions)
+        self._forming.arm_last_call(job)
+        return Joined(job.job_id, member_id, self._lessor.ttl_s, job.workers), actions, None
 
     def _check_not_ended(self, p: JoinParams) -> None:
         """A Join re-attaching to a member of a run that ended does not enter the next run."""
-        kept = self._ended_member(p.job_id, p.member_id) if p.member_id else None
+        kept = self._history.ended_member(p.job_id, p.member_id) if p.member_id else None
         if kept is not None:
             raise Stale(f"member {p.member_id} belongs to run {kept.view.run} of job {p.job_id!r}, which "
                         f"{kept.view.state.value}: a worker of a run that ended cannot enter a later one; join anew "
                         f"(without its member id) to take part in the next")
 
     def _check_room(self, p: JoinParams) -> None:
-        if self._members >= self.limits.max_members:
-            raise LimitExceeded(f"this server holds its maximum of {self.limits.max_members} members (--max-members); "
+        if self._jobs.members >= self._limits.max_members:
+            raise LimitExceeded(f"this server holds its maximum of {self._limits.max_members} members (--max-members); "
                                 f"node {p.node_key!r} cannot join job {p.job_id!r} now")
 
     def _refused(self, job: Job, p: JoinParams, exc: Refusal) -> None:
@@ -124,49 +180,13 @@ class Admission:
         held = job.refused.note(reason, self._clock())
         if held is not None:
             more = f" ({held} more like it since the last)" if held else ""
-            self._event(job, EventKind.REFUSED, f"refused node {p.node_key!r}: {reason}{more}", self._outbox,
+            self._history.event(job, EventKind.REFUSED, f"refused node {p.node_key!r}: {reason}{more}", self.outbox,
                         node=p.node_key, error=type(exc).__name__, held=held)
-
-    @property
-    def has_outbox(self) -> bool:
-        return bool(self._outbox)
 
     def take_outbox(self) -> Actions:
         """What transitions that raised still implied (refusals' events), to carry out now."""
-        out, self._outbox = self._outbox, Actions()
+        out, self.outbox = self.outbox, Actions()
         return out
-
-    @staticmethod
-    def _add_member(job: Job, member_id: str, p: JoinParams, seq: int) -> Member:
-        """Enters a member in the job's node, rank and role bookkeeping (undone by _remove)."""
-        node = job.nodes.get(p.node_key)
-        if node is None:
-            node = job.nodes[p.node_key] = Node(p.node_key, p.address, p.host)
-        elif p.address not in node.addresses:
-            node.addresses += (p.address,)
-        if p.node_rank is not None and node.node_rank is None:
-            node.node_rank = p.node_rank
-            job.node_ranks[p.node_rank] = node.key
-        if p.local_rank is not None:
-            node.local_ranks[p.local_rank] = member_id
-        if p.workers > 1 or p.slots or job.spec.nodes:  # a node or host membership: its node alone
-            node.agent = member_id
-        member = job.members[member_id] = Member(node, p, seq)
-        Admission._count_in(job, node, member_id, p.slots, p.roles())
-        return member
-
-    @staticmethod
-    def _count_in(job: Job, node: Node, member_id: str, slots: tuple[Slot, ...], roles: list[tuple[str, int]]) -> None:
-        """Counts workers joining (a member's, or a host membership's newcomers) in the node, role and job bookkeeping."""
-        for s in slots:
-            if s.local_rank is not None:
-                node.local_ranks[s.local_rank] = worker_id(member_id, s.index)
-        for role, count in roles:
-            node.workers += count
-            node.roles[role] = node.roles.get(role, 0) + count
-            job.role_counts[role] = job.role_counts.get(role, 0) + count
-            job.workers += count
-        job.version += 1
 
     def _reattach(self, job: Job, p: JoinParams) -> tuple[Joined, Actions, NewWorld | None]:
         member = job.members[p.member_id]
@@ -177,19 +197,19 @@ class Admission:
         actions = Actions()
         if newcomers:
             self._admit_workers(job, p.member_id, member, newcomers, actions)
-        joined = Joined(job.job_id, p.member_id, self.lease_ttl_s, job.workers)
+        joined = Joined(job.job_id, p.member_id, self._lessor.ttl_s, job.workers)
         if job.seated(p.member_id, member) == member.workers:
             if job.state is JobState.FORMED:
                 return joined, actions, job.world()
             return joined, actions, None
         if job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
             return joined, actions, None
-        member.lease, member.lease_deadline = Lease.IN_JOIN, None  # bound to this call again
+        self._lessor.bind(member)  # bound to this call again
         if member.port != p.port:
             member.port = p.port
             job.version += 1
             actions.writes.append(PutMember(job.job_id, member_record(p.member_id, member)))
-        self._maybe_form(job, actions)
+        self._forming.maybe_form(job, actions)
         return joined, actions, None
 
     def _newcomers(self, job: Job, member: Member, p: JoinParams) -> tuple[Slot, ...]:
@@ -224,23 +244,23 @@ class Admission:
         self._check_admissible(job, p)
         member.slots += newcomers
         member.workers += len(newcomers)
-        self._count_in(job, node, member_id, newcomers, p.roles())
+        count_in(job, node, member_id, newcomers, p.roles())
         job.last_arrival = self._clock()
         actions.writes.append(PutMember(job.job_id, member_record(member_id, member)))
-        self._event(job, EventKind.JOINED, f"{len(newcomers)} worker{'s' * (len(newcomers) > 1)} of host {member.node_key!r} "
+        self._history.event(job, EventKind.JOINED, f"{len(newcomers)} worker{'s' * (len(newcomers) > 1)} of host {member.node_key!r} "
                                            f"joined; {job.count()}", actions, member=member_id, node=member.node_key,
                     workers=len(newcomers))
-        if job.state is JobState.FORMED and self._grows(job):
+        if job.state is JobState.FORMED and self._forming.grows(job):
             waiting = job.workers - job.placed
-            self._change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
+            self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
         elif job.state is JobState.FORMING:
-            self._maybe_form(job, actions)
-        self._arm_last_call(job)
+            self._forming.maybe_form(job, actions)
+        self._forming.arm_last_call(job)
 
     def _check_seal(self, job: Job, p: JoinParams, caller: Caller) -> None:
         if job.seal and not hmac.compare_digest(job.seal, p.seal):
-            self.guesses.check(caller, job.job_id)  # only guessers are slowed: a right secret always passes
-            self.guesses.failed(caller, job.job_id)
+            self._guesses.check(caller, job.job_id)  # only guessers are slowed: a right secret always passes
+            self._guesses.failed(caller, job.job_id)
             raise Sealed(f"job {job.job_id!r} is sealed: this join's job_secret is missing or wrong")
         if p.seal and not job.seal:
             raise Conflict(f"job {job.job_id!r} is not sealed, but this join carries a job_secret; "
@@ -268,7 +288,7 @@ class Admission:
                 )
             raise Full(f"job {job.job_id!r} has {job.workers} of {job.spec.world_size} workers; node {p.node_key!r} "
                           f"cannot add {p.workers} more")
-        check_world_size(p, job.workers, self.limits.max_world_size)
+        check_world_size(p, job.workers, self._limits.max_world_size)
         for role, count in p.roles():
             job.spec.check_declared(job.job_id, role)
             declared = job.spec.role_count(role)
@@ -292,8 +312,8 @@ class Admission:
         seats in the job (its replacements) may park as many standbys as there
         are seats; any other caller at most half as many (at least one), and
         only while the job holds fewer than as many standbys as seats: strangers
-        cannot crowd out a team's own replacements (who are also seated first,
-        forming._member_order).
+        cannot crowd out a team's own replacements (who are also seated before
+        strangers' standbys, forming.py).
 
         Raises:
             Full: naming the caller's standbys and the cap.
@@ -338,9 +358,9 @@ class Admission:
         """The member's Join call ended. Unless it was placed in a world, this
         removes it; placed, its lease governs."""
         actions = Actions()
-        job = self._jobs.get(job_id)
+        job = self._jobs.live.get(job_id)
         member = job.members.get(member_id) if job is not None else None
         if member is None or member.lease is not Lease.IN_JOIN or job.in_world(member_id):
             return actions
-        self._remove(job, member_id, "withdrawn", actions)
+        self._leaving.remove(job, member_id, "withdrawn", actions)
         return actions

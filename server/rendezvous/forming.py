@@ -1,22 +1,25 @@
 """Forming: when a job's next world forms, who sits in it, and what a job that
 cannot go on tells its members (FORMING -> FORMED, FAILED, ENDED, CLOSED).
-
-A mixin of `Rendezvous` (machine.py): one concern of the state machine per
-file; the state is the machine's."""
+A decider: it is given a job and adds to the `Actions` it is given or
+returns; the plans of big worlds come back to it through `planned`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from commctx.common.planning import Candidate, JobSpec, PlanError, WorldPlan, elide, plan_world
 
 from .actions import Actions
+from .deadlines import Deadline, Deadlines
+from .history import History
+from .leases import Lessor
 from .model import (
     EventKind,
     Gone,
     Job,
+    Jobs,
     JobState,
     JobStopped,
     Lease,
@@ -106,9 +109,23 @@ def plan_or_error(candidates: Iterable[Unit], spec: JobSpec) -> WorldPlan | Plan
 
 
 class Forming:
-    """Re-forming a world, choosing its members, seating the plan, stopping a job."""
+    """Re-forming a world, choosing its members, seating the plan, stopping a
+    job. Its state: the machine's jobs (shared), why worlds are held (`held`),
+    the heap of elastic jobs' last calls, and where plans are made (inline up
+    to `plan_inline_max` workers); it grants first leases through the lessor
+    and records events in the history."""
 
-    def _change(self, job: Job, reason: str, actions: Actions, confirmed: str | None = None) -> None:
+    def __init__(self, jobs: Jobs, lessor: Lessor, history: History, clock: Callable[[], float],
+                 plan_inline_max: int) -> None:
+        self._jobs = jobs
+        self._lessor = lessor
+        self._history = history
+        self._clock = clock
+        self.plan_inline_max = plan_inline_max
+        self.held: str | None = None  # why no world may form now (the store refuses writes), or None
+        self._last_calls = Deadlines()  # job id
+
+    def change(self, job: Job, reason: str, actions: Actions, confirmed: str | None = None) -> None:
         """FORMED -> FORMING: the world of this generation is to be replaced.
         With `confirmed`, every other survivor is awaited until it renews."""
         now = self._clock()
@@ -116,17 +133,17 @@ class Forming:
         job.forming_since = now
         job.reason = reason
         job.announced = False
-        stale_before = now + self.lease_ttl_s / 2
+        lately = self._lessor.lately
         job.suspects = {mid for mid in job.survivors()
-                        if _stale(job.members[mid].lease_deadline, stale_before) or (confirmed is not None and mid != confirmed)}
+                        if not lately(job.members[mid], now) or (confirmed is not None and mid != confirmed)}
         actions.notes.append(Note("reforming", {"job": job.job_id, "generation": job.generation, "reason": reason}))
-        self._event(job, EventKind.REFORMING, f"generation {job.generation} is re-forming: {reason}", actions, reason=reason)
-        self._maybe_form(job, actions)
+        self._history.event(job, EventKind.REFORMING, f"generation {job.generation} is re-forming: {reason}", actions, reason=reason)
+        self.maybe_form(job, actions)
         if job.state is JobState.FORMING:
-            self._announce(job, actions)
-            actions.writes.append(PutJob(self._record(job)))
+            self.announce(job, actions)
+            actions.writes.append(PutJob(self._history.record(job)))
 
-    def _announce(self, job: Job, actions: Actions) -> None:
+    def announce(self, job: Job, actions: Actions) -> None:
         """Tells the survivors that the world is re-forming (once per change),
         unless the plan of the next world is already being computed: then its
         assignment, a few milliseconds later, is the one message they need."""
@@ -180,12 +197,12 @@ class Forming:
             sizes.pop()
         return None
 
-    def _maybe_form(self, job: Job, actions: Actions) -> None:
+    def maybe_form(self, job: Job, actions: Actions) -> None:
         n = self._formable(job)
         if n is not None:
             self._form(job, n, actions)
 
-    def _grows(self, job: Job) -> bool:
+    def grows(self, job: Job) -> bool:
         """Whether the node memberships present fit a world larger than the formed one."""
         if job.spec.nodes:
             return job.plan.num_nodes < job.spec.world_size and job.units > job.plan.num_nodes
@@ -273,7 +290,7 @@ class Forming:
 
     def plan_wanted(self, request: PlanRequest) -> bool:
         """Whether the plan of `request` would still be used (planned would not drop it)."""
-        job = self._jobs.get(request.job_id)
+        job = self._jobs.live.get(request.job_id)
         return job is not None and job.planning == request.version
 
     def planned(self, request: PlanRequest, plan: WorldPlan | PlanError) -> Actions:
@@ -281,14 +298,14 @@ class Forming:
         applied unless the job changed since it was requested; then the job is
         planned again from what it holds now."""
         actions = Actions()
-        job = self._jobs.get(request.job_id)
+        job = self._jobs.live.get(request.job_id)
         if job is None or job.planning != request.version:
             return actions  # gone, or superseded by a later request
         job.planning = -1
         if job.version != request.version or self._formable(job) != request.spec.world_size:
-            self._maybe_form(job, actions)
+            self.maybe_form(job, actions)
             if job.state is JobState.FORMING and job.generation > 0:
-                self._announce(job, actions)  # survivors wait longer: tell them now
+                self.announce(job, actions)  # survivors wait longer: tell them now
         else:
             self._seat(job, plan, actions)
         return actions
@@ -297,26 +314,26 @@ class Forming:
         """While `why` is set (the store refuses writes), jobs stay FORMING: a
         world nobody could be told of durably is not formed. None lifts the hold
         and forms every job that can form (linear in the number of jobs)."""
-        self._held = why
+        self.held = why
         actions = Actions()
         if why is None:
-            for job in list(self._jobs.values()):
+            for job in list(self._jobs.live.values()):
                 if job.state is JobState.FORMING:
-                    self._maybe_form(job, actions)
+                    self.maybe_form(job, actions)
         return actions
 
     def _seat(self, job: Job, plan: WorldPlan | PlanError, actions: Actions) -> None:
         """FORMING -> FORMED with `plan` (or FAILED with the reason it could not be planned)."""
-        if self._held is not None:
+        if self.held is not None:
             return  # hold_worlds(None) plans it again
         if isinstance(plan, PlanError):
-            self._stop(job, JobState.FAILED, str(plan), "cannot form", actions)
+            self.stop(job, JobState.FAILED, str(plan), "cannot form", actions)
             return
         if plan.master_port == 0:
             # Rank 0's spare port serves an earlier world's store and it has
             # not offered another yet: await it like a survivor not heard from.
             job.suspects.add(member_of(plan.seating.nodes[0].members[0]))
-            self._announce(job, actions)
+            self.announce(job, actions)
             return
         now = self._clock()
         previous, previous_hosts = job.plan, job.hosts or {}
@@ -328,8 +345,7 @@ class Forming:
         job.formed_abandoned, job.abandoned = job.abandoned, False
         job.placed = plan.world_size
         members = job.members
-        first_lease = now + self.lease_ttl_s + plan.world_size * self.SESSION_OPEN_S
-        self.widest_world = max(self.widest_world, plan.world_size)
+        first_lease = self._lessor.first_lease(now, plan.world_size)
         hosts: dict[str, int] = {}  # host memberships seated: how many of their workers
         for node in plan.seating.nodes:
             seated = node.members
@@ -343,14 +359,13 @@ class Forming:
                 if m is None:
                     continue
                 if m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
-                    m.lease, m.lease_deadline = Lease.FIRST, first_lease
-                    self._queue(job.job_id, mid, m, first_lease)
+                    self._lessor.grant(job.job_id, mid, m, first_lease)
         job.seat_hosts(hosts, hosts)
         rank0 = member_of(plan.seating.nodes[0].members[0])
         members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
         actions.writes.append(PutMember(job.job_id, member_record(rank0, members[rank0])))
         formed_in_s, job.forming_since = now - job.forming_since, now  # the record keeps the formed world's start
-        actions.writes.append(PutJob(self._record(job)))
+        actions.writes.append(PutJob(self._history.record(job)))
         world = NewWorld(job.job_id, job.generation, plan, previous, reason, job.formed_abandoned, job.hosts)
         if previous is not None:
             change = Reforming(job.generation - 1, reason, job.formed_abandoned)
@@ -363,30 +378,42 @@ class Forming:
         actions.wakes.append((job.job_id, world))
         actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,
                                              "nodes": plan.num_nodes, "seconds": round(formed_in_s, 3)}))
-        self._event(job, EventKind.FORMED, f"generation {job.generation} formed: {plan.world_size} worker"
+        self._history.event(job, EventKind.FORMED, f"generation {job.generation} formed: {plan.world_size} worker"
                                            f"{'s' * (plan.world_size != 1)} on {plan.num_nodes} node{'s' * (plan.num_nodes != 1)} "
                                            f"in {formed_in_s:.2f} s" + (f" ({reason})" if reason else ""),
                     actions, world_size=plan.world_size, nodes=plan.num_nodes, seconds=round(formed_in_s, 3), reason=reason)
 
-    def _stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
+    def stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
         """The job cannot go on: FAILED, ENDED or CLOSED. Every session and waiter hears why."""
         job.state, job.reason, job.suspects = state, reason, set()
         failed, closed = state is JobState.FAILED, state is JobState.CLOSED
         actions.notes.append(Note("failed" if failed else "ended", {"job": job.job_id, "reason": reason}))
-        self._event(job, EventKind.FAILED if failed else EventKind.ENDED,
+        self._history.event(job, EventKind.FAILED if failed else EventKind.ENDED,
                     f"{'failed' if failed else 'closed' if closed else 'finished'}: {reason}", actions, reason=reason)
-        actions.writes.append(PutJob(self._record(job)))
+        actions.writes.append(PutJob(self._history.record(job)))
         gone = Gone(f"job {job.job_id!r} {verb}: {reason}", not failed, closed)
         actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
         stopped = f"job {job.job_id!r} was closed: {reason}" if closed else f"job {job.job_id!r} cannot form: {reason}"
         actions.wakes.append((job.job_id, JobStopped(stopped, closed)))
 
-    def _arm_last_call(self, job: Job) -> None:
+    def arm_last_call(self, job: Job) -> None:
         if job.state is JobState.FORMING and job.spec.min_size is not None and not job.last_call_armed:
             job.last_call_armed = True
             self._last_calls.push(job.last_arrival + job.spec.last_call_s, job.job_id)
 
+    def last_calls_due(self, now: float, actions: Actions) -> None:
+        """Forms the elastic worlds whose last call has passed by `now`."""
+        while (entry := self._last_calls.pop_due(now)) is not None:
+            job = self._jobs.live.get(entry[1])
+            if job is None:
+                continue
+            job.last_call_armed = False
+            if job.state is JobState.FORMING and job.spec.min_size is not None:
+                if now < job.last_arrival + job.spec.last_call_s:
+                    self.arm_last_call(job)
+                else:
+                    self.maybe_form(job, actions)
 
-def _stale(deadline: float | None, before: float) -> bool:
-    """Whether a lease running out at `deadline` was not renewed lately (its deadline is before `before`)."""
-    return deadline is not None and deadline < before
+    def next_deadline(self) -> Deadline | None:
+        """The earliest last call waiting (it may be stale; None: none)."""
+        return self._last_calls.next()

@@ -1,7 +1,7 @@
-"""A job's history: the events the state machine records as it goes (the
-`Recording` mixin of `Rendezvous`, machine.py), kept in the job (the last
---max-events-per-job), persisted with the transition's writes and published to
-the job's watches (watching.py) once durable; and the runs that ended.
+"""A job's history: the events the state machine records as it goes, kept
+in the job (the last --max-events-per-job), persisted with the transition's
+writes and published to the job's watches (watching.py) once durable; and the
+runs that ended.
 
 Runs. A job id names one run at a time. When the last member of a run is gone
 the run has ended, however it went (finished, failed, closed): it is kept,
@@ -15,16 +15,16 @@ serve there. Pure: no asyncio, no grpc."""
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from commctx.common.planning import elide
 
 from ..errors import NotFound
 from .actions import Actions
-from .model import EventKind, Job, JobEvent, JobState, member_of
+from .deadlines import Deadline, Deadlines
+from .model import EventKind, Job, JobEvent, Jobs, JobState, Limits, member_of
 from .reports import JobView, NodeView
-from .shares import SERVER, Caller
 from .store import DeleteJob, JobRecord, PutEvent, PutJob, TrimEvents
 
 
@@ -63,12 +63,47 @@ def ended_view(job: Job, ended_at: float) -> JobView:
                    ended_at=ended_at)
 
 
-class Recording:
-    """Appending to a job's history, and reading it."""
+class History:
+    """Appending to a job's history; the runs that ended, and finding a job's
+    run by id. Its state: the machine's jobs (shared, read), the limits, the
+    clocks, and the runs that ended, kept until their deadlines (a heap)."""
 
     JOIN_COALESCE_S = 1.0  # joins within this long of a job's "joined" event are counted in it
 
-    def _event(self, job: Job, kind: EventKind, message: str, actions: Actions, **fields: object) -> None:
+    def __init__(self, jobs: Jobs, limits: Limits, clock: Callable[[], float], wall: Callable[[], float]) -> None:
+        self._jobs = jobs
+        self._limits = limits
+        self._clock = clock
+        self._wall = wall  # persisted times (AGE, how long a failed job is kept) survive a restart on it
+        # Runs that ended, oldest first, and the kept run numbers of each job id, ascending.
+        self._ended: dict[tuple[str, int], Kept] = {}
+        self._runs: dict[str, list[int]] = {}
+        self._tombstones = Deadlines()  # (job id, run) of ended runs
+
+    def record(self, job: Job, retained_until: float = 0.0) -> JobRecord:
+        """The job as the store keeps it (`retained_until`: an ended run's end, on the wall clock)."""
+        since = self._wall() - (self._clock() - job.forming_since)
+        return JobRecord(job.job_id, job.spec, job.state.value, job.generation, job.reason,
+                         job.plan.seating if job.plan is not None else None, (), job.seal, since, retained_until, (),
+                         job.run, job.started)
+
+    def find(self, job_id: str) -> Job:
+        """The id's run under way.
+
+        Raises:
+            NotFound: none; naming the run that ended, if one is kept.
+        """
+        job = self._jobs.live.get(job_id)
+        if job is None:
+            kept = self.kept(job_id)
+            if kept is not None:  # a member of a run that ended: nothing of it serves in the next
+                why = "" if kept.view.seal else f" ({kept.view.reason})"  # a sealed job's reason is for its workers
+                raise NotFound(f"job {elide(job_id)} has no run under way: run {kept.view.run} {kept.view.state.value}"
+                               f"{why}; a Join starts run {kept.view.run + 1}")
+            raise NotFound(f"no job {elide(job_id)} on this server")
+        return job
+
+    def event(self, job: Job, kind: EventKind, message: str, actions: Actions, **fields: object) -> None:
         """Appends an event to the job's history (the last max_events_per_job are kept):
         persisted with the transition's writes, then published to its watchers.
 
@@ -78,8 +113,8 @@ class Recording:
         reforming, lost, left, failed, ended."""
         now = self._wall()
         events = job.events
-        if events.maxlen != self.limits.max_events_per_job:
-            job.events = events = collections.deque(events, maxlen=self.limits.max_events_per_job)
+        if events.maxlen != self._limits.max_events_per_job:
+            job.events = events = collections.deque(events, maxlen=self._limits.max_events_per_job)
         seq = max(events[-1].seq if events else 0, job.refused.events[-1].seq if job.refused.events else 0) + 1
         if kind is EventKind.REFUSED:
             event = JobEvent(seq, now, kind.value, job.generation, message, fields)
@@ -106,11 +141,11 @@ class Recording:
 
     # -- runs that ended ------------------------------------------------------------------
 
-    def _next_run(self, job_id: str) -> int:
+    def next_run(self, job_id: str) -> int:
         runs = self._runs.get(job_id)
         return runs[-1] + 1 if runs else 1
 
-    def _end_run(self, job: Job, actions: Actions) -> None:
+    def end_run(self, job: Job, actions: Actions) -> None:
         """The job's last member is gone: its run has ended. Kept unless nothing
         ever formed and nothing went wrong (every worker withdrew its Join)."""
         actions.writes.append(DeleteJob(job.job_id))
@@ -119,9 +154,9 @@ class Recording:
             return
         ended = self._wall()
         view = ended_view(job, ended)
-        self._keep(view, self._clock() + self.limits.retain_ended_s, tuple(job.events), actions, seated(job))
+        self._keep(view, self._clock() + self._limits.retain_ended_s, tuple(job.events), actions, seated(job))
         key = run_key(job.job_id, job.run)
-        record = self._record(job, ended + self.limits.retain_ended_s)
+        record = self.record(job, ended + self._limits.retain_ended_s)
         actions.writes.append(PutJob(record._replace(job_id=key, state=view.state.value, reason=view.reason, ended=ended)))
         actions.writes.extend(PutEvent(key, e) for e in job.events)
 
@@ -133,7 +168,7 @@ class Recording:
         runs.append(view.run)
         runs.sort()
         self._tombstones.push(until, (view.job_id, view.run))
-        while len(self._ended) > self.limits.retain_ended_jobs:
+        while len(self._ended) > self._limits.retain_ended_jobs:
             self._forget(next(iter(self._ended)), actions)
 
     def _forget(self, run: tuple[str, int], actions: Actions) -> None:
@@ -144,13 +179,18 @@ class Recording:
             del self._runs[run[0]]
         actions.writes.append(DeleteJob(run_key(*run)))
 
-    def _forget_due(self, now: float, actions: Actions) -> None:
+    def next_deadline(self) -> Deadline | None:
+        """When the next kept run may be forgotten (None: none is kept)."""
+        return self._tombstones.next()
+
+    def forget_due(self, now: float, actions: Actions) -> None:
+        """Forgets the runs kept long enough by `now`."""
         while (entry := self._tombstones.pop_due(now)) is not None:
             kept = self._ended.get(entry[1])
             if kept is not None and kept.until <= now:
                 self._forget(entry[1], actions)
 
-    def _restore_run(self, record: JobRecord, job: Job, wall: float, actions: Actions) -> None:
+    def restore_run(self, record: JobRecord, job: Job, wall: float, actions: Actions) -> None:
         """Keeps an ended run a store held (its key '<job id>#<run>'), or forgets it if its time is up."""
         if record.retained_until <= wall:
             actions.writes.append(DeleteJob(record.job_id))
@@ -160,11 +200,11 @@ class Recording:
         view = ended_view(job, record.ended)
         self._keep(view, self._clock() + record.retained_until - wall, record.events, actions, seated(job))
 
-    def _ended_member(self, job_id: str, member_id: str) -> Kept | None:
+    def ended_member(self, job_id: str, member_id: str) -> Kept | None:
         """The kept run of the id whose last world held `member_id`, if any."""
         return next((k for r in self._runs.get(job_id, ()) if member_id in (k := self._ended[(job_id, r)]).members), None)
 
-    def _kept(self, job_id: str, run: int = 0) -> Kept | None:
+    def kept(self, job_id: str, run: int = 0) -> Kept | None:
         """Run `run` of the id if it ended and is kept (0: the latest kept)."""
         runs = self._runs.get(job_id)
         if not runs:
@@ -173,20 +213,20 @@ class Recording:
 
     def other_runs(self, job_id: str, run: int) -> tuple[int, ...]:
         """The runs of the id besides `run`, the live one and those kept, newest first."""
-        live = self._jobs.get(job_id)
+        live = self._jobs.live.get(job_id)
         return ((live.run,) if live is not None and live.run != run else ()) + tuple(
             r for r in reversed(self._runs.get(job_id, ())) if r != run)
 
-    def _run_of(self, job_id: str, run: int = 0) -> tuple[Job | None, Kept | None]:
+    def run_of(self, job_id: str, run: int = 0) -> tuple[Job | None, Kept | None]:
         """The live run of the id (run 0 or its number), else the kept one.
 
         Raises:
             NotFound: no such job, or no such run of it.
         """
-        job = self._jobs.get(job_id)
+        job = self._jobs.live.get(job_id)
         if job is not None and run in (0, job.run):
             return job, None
-        kept = self._kept(job_id, run)
+        kept = self.kept(job_id, run)
         if kept is None:
             if run and (job is not None or job_id in self._runs):
                 raise NotFound(f"job {elide(job_id)} has no run {run} kept on this server (runs: "
@@ -194,34 +234,14 @@ class Recording:
             raise NotFound(f"no job {elide(job_id)} on this server")
         return None, kept
 
-    def last_event(self, job_id: str) -> JobEvent | None:
-        """The job's latest event (None: none, or an unknown job)."""
-        job = self._jobs.get(job_id)
-        kept = self._kept(job_id) if job is None else None
-        history = job.events if job is not None else kept.events if kept is not None else ()
-        last = history[-1] if history else None
-        refused = job.refused.events[-1] if job is not None and job.refused.events else None
-        return refused if refused is not None and (last is None or refused.seq > last.seq) else last
+    def ended(self) -> list[tuple[str, int]]:
+        """The (job id, run) of every kept run that ended, oldest first."""
+        return list(self._ended)
 
-    def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None,
-               caller: Caller = SERVER, run: int = 0) -> list[JobEvent]:
-        """The job's kept events of seq above `after` (at most `limit`), of its
-        live run or a kept one (`run`: 0 the live one, else the latest kept);
-        for a sealed job, given its secret (None: not checked).
+    def has_runs(self, job_id: str) -> bool:
+        """Whether a run of the id that ended is kept."""
+        return job_id in self._runs
 
-        Raises:
-            NotFound: an unknown job or run.
-            Sealed: the job is sealed and `secret` does not open it.
-        """
-        job, kept = self._run_of(job_id, run)
-        seal, history = (job.seal, job.events) if job is not None else (kept.view.seal, kept.events)
-        self._unseal(job_id, seal, secret, caller, "give its job_secret to read its events")
-        if job is not None and job.refused.events:  # the two budgets, in one order
-            history = sorted((*history, *job.refused.events))
-        out = []
-        for event in reversed(history):  # the newest first: a follower asks for a few after its cursor
-            if event.seq <= after:
-                break
-            out.append(event)
-        out.reverse()
-        return out if limit is None else out[:limit]
+    def job_ids(self) -> set[str]:
+        """The ids of the kept runs that ended."""
+        return set(self._runs)

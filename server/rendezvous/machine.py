@@ -36,6 +36,15 @@ call withdraws it); placed, it holds a lease that its session renews. Expiry
 and leaving are the same transition. A job disappears when its last member
 goes. Leases, last calls and kept failed jobs wait in deadline heaps; the
 reaper pops only what is due.
+
+The machine is parts that own their state, composed as etcd's lessor and
+torch's rendezvous state with its actions are: the lessor (leases.py) keeps
+every lease and returns those that ran out; deciders take a job and return
+the `Actions` it implies: joining (admission.py), forming (forming.py),
+leaving (leaving.py), sessions and renewals (sessions.py); the history
+(history.py) records events and keeps the runs that ended; views.py answers
+questions and restore.py loads a store's records. `Rendezvous` owns the jobs
+(model.Jobs, which the parts share) and wires the parts together.
 """
 
 from __future__ import annotations
@@ -43,21 +52,36 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from commctx.common.planning import elide
+from commctx.common.planning import PlanError, WorldPlan
 
-from ..errors import NotFound
 from .actions import Actions
 from .admission import Admission
-from .deadlines import Deadlines
+from .deadlines import Deadline, earliest
 from .forming import Forming, plan_or_error
-from .history import Kept, Recording
-from .leases import Leases
-from .model import Job, Limits, Member
-from .params import secret_matches
+from .history import History
+from .leases import Lessor
+from .leaving import Leaving
+from .model import (
+    DISCONNECTED,
+    EventKind,
+    Job,
+    JobEvent,
+    Jobs,
+    Joined,
+    Lease,
+    Limits,
+    Member,
+    NewWorld,
+    PlanRequest,
+    SessionEvent,
+)
+from .params import JoinParams
+from .reports import JobView, Stats, WorkerView
 from .restore import Restoring
-from .shares import Guesses, Shares
+from .sessions import Sessions
+from .shares import SERVER, Caller, Guesses, Shares
 from .store import JobRecord
 from .views import Views
 
@@ -66,24 +90,19 @@ __all__ = ["Actions", "Rendezvous", "plan_or_error"]
 log = logging.getLogger("commctx.server")
 
 
-class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
+class Rendezvous:
     """Every job the server holds, and the rules for joining and leaving them:
-    one object, its concerns one per module (admission.py, forming.py,
-    leases.py, restore.py, views.py, history.py).
+    it owns the jobs and wires the parts that decide (see the module's
+    docstring), and is the one object the RPC edge, the executor and the
+    dashboard call.
 
     Every method runs to completion synchronously; those that change state
     return `Actions`. The clock is injected.
     """
 
-    # Worlds of more workers are planned off the event loop (a 10,000-worker
-    # plan is tens of milliseconds of Python); smaller ones inside the transition.
+    # Worlds of more workers are planned off the event loop (a big plan is
+    # tens of milliseconds of Python); smaller ones inside the transition.
     PLAN_INLINE_MAX = 2048
-
-    # A newly placed member's first lease also covers the time the server takes
-    # to open the sessions of its whole world: about a millisecond each in
-    # grpc.aio (benchmarks/reform_scale.py), so 10 s more for 10,000 workers.
-    # A worker must not lose its seat to the server's own backlog.
-    SESSION_OPEN_S = 0.001
 
     def __init__(
         self,
@@ -101,57 +120,215 @@ class Rendezvous(Admission, Forming, Leases, Restoring, Views, Recording):
         self.limits = limits
         self.shares = Shares(limits)  # what each caller holds (jobs here; Joins waiting and streams at the RPC edge)
         self.guesses = Guesses(clock)  # wrong job secrets, by caller and job
-        self._members = 0  # across all jobs
-        self.widest_world = 0  # the most workers of a world formed here: its first leases are the longest
         # The server is stopping: Joins are refused, and sessions that end are not departures.
         self.draining = False
-        self.plan_inline_max = plan_inline_max
         self._clock = clock
-        self._wall = wall  # persisted times (AGE, how long a failed job is kept) survive a restart on it
-        self._new_member_id = new_member_id or (lambda: os.urandom(8).hex())
-        self._jobs: dict[str, Job] = {}
-        self._held: str | None = None  # why no world may form now (the store refuses writes), or None
-        self._seq = 0
-        # Runs that ended (history.py), oldest first, and the kept run numbers of each job id, ascending.
-        self._ended: dict[tuple[str, int], Kept] = {}
-        self._runs: dict[str, list[int]] = {}
-        # What a transition that raised still implies (a refused join's event):
-        # the executor takes it with the next actions it is given (take_outbox).
-        self._outbox = Actions()
-        self._leases = Deadlines()  # (job id, member id)
-        self._last_calls = Deadlines()  # job id
-        self._tombstones = Deadlines()  # (job id, run) of ended runs
+        self._state = Jobs()
+        self._jobs = self._state.live  # the jobs, by id (tests read them)
+        self.lessor = Lessor(lease_ttl_s, self.reconnect_grace_s, clock, self._holder)  # every member's lease
+        self._history = History(self._state, limits, clock, wall)
+        self._forming = Forming(self._state, self.lessor, self._history, clock, plan_inline_max)
+        self._leaving = Leaving(self._state, self.shares, self._forming, self._history)
+        self._sessions = Sessions(self._state, self.lessor, self._leaving, self._forming, self._history)
+        self._admission = Admission(self._state, limits, self.shares, self.guesses, self.lessor, self._forming,
+                                    self._leaving, self._history, clock, wall,
+                                    new_member_id or (lambda: os.urandom(8).hex()))
+        self._restoring = Restoring(self._state, limits, self.lessor, self._forming, self._history, clock, wall)
+        self._views = Views(self._state, self.lessor, self._forming, self._history, self.guesses, clock)
+
+    def _holder(self, job_id: str, member_id: str) -> Member | None:
+        """The member a lease is for (None: gone), for the lessor."""
+        job = self._jobs.get(job_id)
+        return job.members.get(member_id) if job is not None else None
 
     def now(self) -> float:
         """The injected clock: what deadlines are measured on."""
         return self._clock()
 
-    def _job(self, job_id: str) -> Job:
-        job = self._jobs.get(job_id)
-        if job is None:
-            kept = self._kept(job_id)
-            if kept is not None:  # a member of a run that ended: nothing of it serves in the next
-                why = "" if kept.view.seal else f" ({kept.view.reason})"  # a sealed job's reason is for its workers
-                raise NotFound(f"job {elide(job_id)} has no run under way: run {kept.view.run} {kept.view.state.value}"
-                               f"{why}; a Join starts run {kept.view.run + 1}")
-            raise NotFound(f"no job {elide(job_id)} on this server")
-        return job
+    @property
+    def widest_world(self) -> int:
+        """The most workers of a world formed here: its first leases are the longest."""
+        return self.lessor.widest_world
 
-    @staticmethod
-    def _member(job: Job, member_id: str, secret: str | None = None) -> Member:
-        """The member, if `secret` is its secret (None: not asked, a call on
-        an already authenticated session). A wrong secret gets the answer an
-        unknown member gets."""
-        member = job.members.get(member_id)
-        if member is None or (secret is not None and not secret_matches(member.secret, secret)):
-            raise NotFound(
-                f"member {elide(member_id)} is not in job {job.job_id!r} (it left, its lease expired, "
-                f"or it never joined); join again"
-            )
-        return member
+    # -- joining (admission.py) -------------------------------------------------------------
 
-    def _record(self, job: Job, retained_until: float = 0.0) -> JobRecord:
-        since = self._wall() - (self._clock() - job.forming_since)
-        return JobRecord(job.job_id, job.spec, job.state.value, job.generation, job.reason,
-                         job.plan.seating if job.plan is not None else None, (), job.seal, since, retained_until, (),
-                         job.run, job.started)
+    def join(self, p: JoinParams, caller: Caller = SERVER) -> tuple[Joined, Actions, NewWorld | None]:
+        """Admission.join: registers (or re-attaches) a worker; forms the world when the spec allows."""
+        return self._admission.join(p, caller)
+
+    def withdraw(self, job_id: str, member_id: str) -> Actions:
+        """The member's Join call ended: removed unless it was placed (Admission.withdraw)."""
+        return self._admission.withdraw(job_id, member_id)
+
+    @property
+    def has_outbox(self) -> bool:
+        return bool(self._admission.outbox)
+
+    def take_outbox(self) -> Actions:
+        """What transitions that raised still implied (refusals' events), to carry out now."""
+        return self._admission.take_outbox()
+
+    # -- sessions, renewals and leaving (sessions.py, leaving.py) ---------------------------
+
+    def naming_wait_s(self, open_streams: int) -> float:
+        """How long a new session stream may take to name its member (Lessor.naming_wait_s)."""
+        return self.lessor.naming_wait_s(open_streams)
+
+    def open_session(self, job_id: str, member_id: str, generation: int, sink: object,
+                     spare_port: int = 0, secret: str | None = None) -> tuple[float, list[SessionEvent], Actions]:
+        """Sessions.open_session: attaches a session sink to a member and renews its lease."""
+        return self._sessions.open_session(job_id, member_id, generation, sink, spare_port, secret)
+
+    def end_session(self, job_id: str, member_id: str, sink: object, how: str) -> tuple[str, Actions]:
+        """The session of `sink` ended `how`: "finished" or "cancelled" by its
+        client (a departure, as close_session says), "replaced" by a newer one, or
+        "server" (this server ended it). While the server drains, every end is the
+        server's. Returns how it counts, and close_session's actions."""
+        how = "server" if self.draining else how
+        return how, self.close_session(job_id, member_id, sink, how in ("finished", "cancelled"))
+
+    def close_session(self, job_id: str, member_id: str, sink: object, departed: bool = False) -> Actions:
+        """Sessions.close_session: the session of `sink` ended (`departed`: its client ended it without a Leave)."""
+        return self._sessions.close_session(job_id, member_id, sink, departed)
+
+    def renew(self, job_id: str, member_id: str, generation: int, spare_port: int = 0) -> tuple[int, Actions]:
+        """Sessions.renew: renews a member's lease; records a spare port it offers."""
+        return self._sessions.renew(job_id, member_id, generation, spare_port)
+
+    def keep_alive(self, job_id: str, member_id: str, generation: int,
+                   secret: str | None = None) -> tuple[float, int, Actions]:
+        """Sessions.keep_alive: renews a member's lease (the unary form), given its secret."""
+        return self._sessions.keep_alive(job_id, member_id, generation, secret)
+
+    def report_failure(self, job_id: str, member_id: str, generation: int) -> Actions:
+        """Sessions.report_failure: a member's collectives in `generation` failed."""
+        return self._sessions.report_failure(job_id, member_id, generation)
+
+    def restart(self, job_id: str, member_id: str, generation: int) -> Actions:
+        """Sessions.restart: a member's launcher restarts its workers; the world re-forms."""
+        return self._sessions.restart(job_id, member_id, generation)
+
+    def remove_workers(self, job_id: str, member_id: str, indexes: Iterable[int], why: str) -> Actions:
+        """Leaving.remove_workers: workers of a host membership are gone.
+
+        Raises:
+            NotFound: unknown job or member.
+        """
+        job = self._history.find(job_id)
+        return self._leaving.remove_workers(job, member_id, job.member(member_id), indexes, why)
+
+    def leave(self, job_id: str, member_id: str, secret: str | None = None, job_secret: str | None = None,
+              caller: Caller = SERVER, close: bool = False) -> Actions:
+        """Removes a member, given its secret and, for a sealed job, the job's
+        (None: not checked). With `close`, first closes the job for everyone
+        (Leaving.leave).
+
+        Raises:
+            Sealed: the job is sealed and `job_secret` does not open it.
+            NotFound: unknown job or member, or not its secret.
+        """
+        job = self._history.find(job_id)
+        self.guesses.unseal(job_id, job.seal, job_secret, caller, "this leave's job_secret is missing or wrong")
+        return self._leaving.leave(job, member_id, job.member(member_id, secret), caller, close)
+
+    # -- deadlines ----------------------------------------------------------------------------
+
+    def next_deadline(self) -> Deadline | None:
+        """The earliest time (on the injected clock) at which `expire_due` may have work (None: nothing waits)."""
+        return earliest(self.lessor.next(), self._forming.next_deadline(), self._history.next_deadline())
+
+    def expire_due(self, limit: int = 1000) -> tuple[Actions, bool]:
+        """Removes members whose lease ran out (at most `limit` a call, so that
+        an expiry storm yields the event loop between calls: Lessor.expired),
+        forms elastic worlds whose last call has passed, and forgets runs kept
+        long enough.
+
+        Returns:
+            The actions, and whether more is due already.
+        """
+        now = self._clock()
+        actions = Actions()
+        for job_id, member_id, lease in self.lessor.expired(now, limit):
+            self._leaving.remove(self._jobs[job_id], member_id, DISCONNECTED if lease is Lease.DETACHED else "expired",
+                                 actions)
+        self._forming.last_calls_due(now, actions)
+        self._history.forget_due(now, actions)
+        due = self.next_deadline()
+        return actions, due is not None and due <= now
+
+    # -- worlds (forming.py) -------------------------------------------------------------------
+
+    def plan_wanted(self, request: PlanRequest) -> bool:
+        """Whether the plan of `request` would still be used (Forming.plan_wanted)."""
+        return self._forming.plan_wanted(request)
+
+    def planned(self, request: PlanRequest, plan: WorldPlan | PlanError) -> Actions:
+        """Forming.planned: the plan of `request`, computed off the event loop, is ready."""
+        return self._forming.planned(request, plan)
+
+    def hold_worlds(self, why: str | None) -> Actions:
+        """Forming.hold_worlds: while `why` is set (the store refuses writes), no world forms."""
+        return self._forming.hold_worlds(why)
+
+    def restore(self, records: Iterable[JobRecord], grace_s: float) -> tuple[int, Actions]:
+        """Restoring.restore: loads the jobs a store held after a restart."""
+        return self._restoring.restore(records, grace_s)
+
+    # -- views (views.py) ----------------------------------------------------------------------
+
+    def live(self, job_id: str) -> bool:
+        """Whether a run of the id is under way (not only kept after it ended)."""
+        return self._views.live(job_id)
+
+    def world_of(self, job_id: str) -> NewWorld | None:
+        """The job's current world, if it has formed."""
+        return self._views.world_of(job_id)
+
+    def describe(self, job_id: str, secret: str | None = None, first_node: int = 0, max_nodes: int | None = None,
+                 caller: Caller = SERVER, run: int = 0) -> JobView:
+        """Views.describe: the job as DescribeJob reports it."""
+        return self._views.describe(job_id, secret, first_node, max_nodes, caller, run)
+
+    def workers(self, job_id: str, node_keys: Iterable[str]) -> dict[str, list[WorkerView]]:
+        """Views.workers: the workers on the given nodes of a held job, by local rank."""
+        return self._views.workers(job_id, node_keys)
+
+    def plan_of(self, job_id: str) -> WorldPlan | None:
+        """The job's current world (while re-forming: the one being replaced), if any."""
+        return self._views.plan_of(job_id)
+
+    def job_ids(self, ended: bool = False) -> list[str]:
+        """Jobs with a run under way (`ended`: or a kept run that ended), sorted."""
+        return self._views.job_ids(ended)
+
+    def job_page(self, after: str, size: int, ended: bool = False) -> tuple[list[JobView], bool]:
+        """Views.job_page: up to `size` jobs after `after`, and whether more follow."""
+        return self._views.job_page(after, size, ended)
+
+    def stats(self) -> Stats:
+        """Counts for metrics (linear in the number of jobs, not members)."""
+        return self._views.stats()
+
+    def other_runs(self, job_id: str, run: int) -> tuple[int, ...]:
+        """The runs of the id besides `run`, the live one and those kept, newest first."""
+        return self._history.other_runs(job_id, run)
+
+    def last_event(self, job_id: str) -> JobEvent | None:
+        """The job's latest event (None: none, or an unknown job)."""
+        return self._views.last_event(job_id)
+
+    def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None,
+               caller: Caller = SERVER, run: int = 0) -> list[JobEvent]:
+        """Views.events: the job's kept events of seq above `after` (at most `limit`)."""
+        return self._views.events(job_id, after, limit, secret, caller, run)
+
+    # -- names tests outside this package use -------------------------------------------------
+
+    @property
+    def _outbox(self) -> Actions:
+        """The admission's outbox (tests/test_dashboard.py records a refusal in it)."""
+        return self._admission.outbox
+
+    def _event(self, job: Job, kind: EventKind, message: str, actions: Actions, **fields: object) -> None:
+        """History.event (tests/test_dashboard.py records an event with it)."""
+        self._history.event(job, kind, message, actions, **fields)

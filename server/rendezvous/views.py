@@ -1,8 +1,5 @@
-"""Views: what the machine answers about its jobs (DescribeJob, ListJobs, the
-dashboard, metrics), built from its state without changing it.
-
-A mixin of `Rendezvous` (machine.py): one concern of the state machine per
-file; the state is the machine's."""
+"""Views: what the machine answers about its jobs (DescribeJob, ListJobs,
+ListEvents, the dashboard, metrics), built from its state without changing it."""
 
 from __future__ import annotations
 
@@ -10,15 +7,17 @@ import bisect
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from commctx.common.planning import WorldPlan, elide
 
-from ..errors import NotFound, Sealed
-from .model import Job, JobState, Lease, NewWorld, worker_id
-from .params import job_secret_matches
+from ..errors import NotFound
+from .forming import Forming
+from .history import History
+from .leases import Lessor
+from .model import Job, JobEvent, Jobs, JobState, NewWorld, worker_id
 from .reports import JobView, NodeView, Stats, WorkerView
-from .shares import SERVER, Caller
+from .shares import SERVER, Caller, Guesses
 
 log = logging.getLogger("commctx.server")
 
@@ -39,15 +38,27 @@ def page_entry(token: str) -> tuple[str, int]:
 
 
 class Views:
-    """Describing jobs, their nodes and workers, and the server's counts."""
+    """Describing jobs, their nodes, workers and events, and the server's
+    counts. It reads the machine's jobs (shared), kept runs (the history),
+    leases (the lessor) and whether worlds are held (forming); it changes
+    nothing but the wrong-secret counts of callers (`guesses`)."""
+
+    def __init__(self, jobs: Jobs, lessor: Lessor, forming: Forming, history: History, guesses: Guesses,
+                 clock: Callable[[], float]) -> None:
+        self._jobs = jobs
+        self._lessor = lessor
+        self._forming = forming
+        self._history = history
+        self._guesses = guesses
+        self._clock = clock
 
     def live(self, job_id: str) -> bool:
         """Whether a run of the id is under way (not only kept after it ended)."""
-        return job_id in self._jobs
+        return job_id in self._jobs.live
 
     def world_of(self, job_id: str) -> NewWorld | None:
         """The job's current world, if it has formed."""
-        job = self._jobs.get(job_id)
+        job = self._jobs.live.get(job_id)
         if job is None or job.state is not JobState.FORMED:
             return None
         return job.world()
@@ -63,12 +74,12 @@ class Views:
             NotFound: an unknown job or run.
             Sealed: the job is sealed and `secret` does not open it.
         """
-        job, kept = self._run_of(job_id, run)
+        job, kept = self._history.run_of(job_id, run)
         view = self._view(job, first_node, max_nodes) if job is not None else kept.view
-        self._unseal(job_id, view.seal, secret, caller, "give its job_secret to describe it")
+        self._guesses.unseal(job_id, view.seal, secret, caller, "give its job_secret to describe it")
         if job is None and (first_node or max_nodes is not None):
             view = dataclasses.replace(view, nodes=view.nodes[first_node:None if max_nodes is None else first_node + max_nodes])
-        return dataclasses.replace(view, other_runs=self.other_runs(job_id, view.run))
+        return dataclasses.replace(view, other_runs=self._history.other_runs(job_id, view.run))
 
     @staticmethod
     def _node_page(job: Job, first: int, count: int | None) -> list[tuple[str, int | None]]:
@@ -110,8 +121,9 @@ class Views:
                       f"awaited; {job.shortfall()}")
         else:
             reason = f"waiting: {job.shortfall()}"
-        if self._held is not None and job.state is JobState.FORMING:
-            reason = f"held: the server cannot write its state ({self._held}); worlds form once a write succeeds; {reason}"
+        held = self._forming.held
+        if held is not None and job.state is JobState.FORMING:
+            reason = f"held: the server cannot write its state ({held}); worlds form once a write succeeds; {reason}"
         return JobView(
             job_id=job.job_id,
             state=job.state,
@@ -140,9 +152,9 @@ class Views:
         Raises:
             NotFound: an unknown job.
         """
-        job = self._jobs.get(job_id)
+        job = self._jobs.live.get(job_id)
         if job is None:
-            if job_id in self._runs:
+            if self._history.has_runs(job_id):
                 return {k: [] for k in node_keys}
             raise NotFound(f"no job {elide(job_id)} on this server")
         out: dict[str, list[WorkerView]] = {k: [] for k in node_keys}
@@ -151,7 +163,7 @@ class Views:
             seats = out.get(m.node_key)
             if seats is None:
                 continue
-            age = now - (m.lease_deadline - self.lease_ttl_s) if m.lease is Lease.RENEWING else None
+            age = self._lessor.age(m, now)
             if m.slots:  # a host membership: each worker its own role, and local rank if its launcher fixed one
                 held = [(worker_id(mid, s.index), s.role, s.local_rank) for s in m.slots]
             else:
@@ -166,12 +178,12 @@ class Views:
 
     def plan_of(self, job_id: str) -> WorldPlan | None:
         """The job's current world (while re-forming: the one being replaced), if any."""
-        job = self._jobs.get(job_id)
+        job = self._jobs.live.get(job_id)
         return job.plan if job is not None else None
 
     def job_ids(self, ended: bool = False) -> list[str]:
         """Jobs with a run under way (`ended`: or a kept run that ended), sorted."""
-        return sorted({*self._jobs, *self._runs}) if ended else sorted(self._jobs)
+        return sorted({*self._jobs.live, *self._history.job_ids()}) if ended else sorted(self._jobs.live)
 
     def job_page(self, after: str, size: int, ended: bool = False) -> tuple[list[JobView], bool]:
         """Up to `size` jobs (their views without nodes) after `after` ("": from
@@ -182,31 +194,48 @@ class Views:
             ids = self.job_ids()
             start = bisect.bisect_right(ids, after) if after else 0
             return [self.describe(j, max_nodes=0) for j in ids[start:start + size]], start + size < len(ids)
-        entries = sorted([*((j, -job.run) for j, job in self._jobs.items()), *((j, -r) for j, r in self._ended)])
+        entries = sorted([*((j, -job.run) for j, job in self._jobs.live.items()), *((j, -r) for j, r in self._history.ended())])
         start = bisect.bisect_right(entries, page_entry(after)) if after else 0
         return [self.describe(j, max_nodes=0, run=-r) for j, r in entries[start:start + size]], start + size < len(entries)
 
     def stats(self) -> Stats:
         """Counts for metrics (linear in the number of jobs, not members)."""
         members = waiting = 0
-        for job in self._jobs.values():
+        for job in self._jobs.live.values():
             members += job.workers  # workers, as `waiting`: a node membership counts its workers
             waiting += job.workers - job.placed
-        oldest = self._oldest_lease()
-        age = 0.0 if oldest is None else max(0.0, self._clock() - (oldest - self.lease_ttl_s))
-        return Stats(len(self._jobs), members, waiting, age)
+        oldest = self._lessor.oldest()
+        age = 0.0 if oldest is None else max(0.0, self._clock() - (oldest - self._lessor.ttl_s))
+        return Stats(len(self._jobs.live), members, waiting, age)
 
-    def _unseal(self, job_id: str, seal: str, secret: str | None, caller: Caller, what: str) -> None:
-        """Whether `secret` opens the job (None: not asked, for operators and the
-        server); wrong secrets are counted by caller and job (shares.Guesses).
+    def last_event(self, job_id: str) -> JobEvent | None:
+        """The job's latest event (None: none, or an unknown job)."""
+        job = self._jobs.live.get(job_id)
+        kept = self._history.kept(job_id) if job is None else None
+        history = job.events if job is not None else kept.events if kept is not None else ()
+        last = history[-1] if history else None
+        refused = job.refused.events[-1] if job is not None and job.refused.events else None
+        return refused if refused is not None and (last is None or refused.seq > last.seq) else last
+
+    def events(self, job_id: str, after: int = 0, limit: int | None = None, secret: str | None = None,
+               caller: Caller = SERVER, run: int = 0) -> list[JobEvent]:
+        """The job's kept events of seq above `after` (at most `limit`), of its
+        live run or a kept one (`run`: 0 the live one, else the latest kept);
+        for a sealed job, given its secret (None: not checked).
 
         Raises:
-            LimitExceeded: a wrong secret, from a caller that gave too many
-                wrong ones for this job lately (a right one always passes).
+            NotFound: an unknown job or run.
             Sealed: the job is sealed and `secret` does not open it.
         """
-        if secret is None or job_secret_matches(seal, secret):
-            return
-        self.guesses.check(caller, job_id)  # only guessers are slowed: the team that holds the secret never is
-        self.guesses.failed(caller, job_id)
-        raise Sealed(f"job {job_id!r} is sealed: {what}")
+        job, kept = self._history.run_of(job_id, run)
+        seal, history = (job.seal, job.events) if job is not None else (kept.view.seal, kept.events)
+        self._guesses.unseal(job_id, seal, secret, caller, "give its job_secret to read its events")
+        if job is not None and job.refused.events:  # the two budgets, in one order
+            history = sorted((*history, *job.refused.events))
+        out = []
+        for event in reversed(history):  # the newest first: a follower asks for a few after its cursor
+            if event.seq <= after:
+                break
+            out.append(event)
+        out.reverse()
+        return out if limit is None else out[:limit]
