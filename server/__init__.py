@@ -1,13 +1,23 @@
 """The commctx rendezvous server (grpc.aio). Never imports torch.
 
-Layers, each importing only those before it:
+Layers, bottom up. A module imports from its own layer and those below, never
+from above, and no import loop joins the server's modules (tests/test_layers.py
+holds both):
 
-    commctx.common  the shared base (common/): modes, addresses, the job spec
-                    and the world planner (pure Python), the refusals they raise
-    rendezvous/     the domain: the state machine, its store, the executor of
-                    its actions, the Join that waits, the watches of histories
-    rpc/            the wire codec, the gRPC servicer and the server's wiring
-    web/            the HTTP edge: dashboard, JSON API, metrics
+    base        commctx.common (modes, addresses, the job spec and the world
+                planner, the refusals they raise), commctx.v1 (the protocol),
+                errors.py (the domain's refusals), tokens.py (who may call)
+    stores      rendezvous/store.py, sqlite.py, etcd.py: records, fencing,
+                schema; of the rendezvous above them only model.py, whose
+                events their records hold
+    rendezvous  rendezvous/: the domain: the state machine, the executor of
+                its actions, the Join that waits, the watches of histories
+    telemetry   telemetry.py: logs, and metrics of the domain's stats
+    edges       rpc/ (gRPC: the codec, the servicer, the server and its
+                terms) and web/ (HTTP: dashboard, JSON API, metrics); neither
+                imports the other
+    process     startup.py (start_server: the edges around the rendezvous),
+                main.py, config.py, ha.py, gc_pacer.py: they wire the rest
 
 `start_server` and `RendezvousServer` load the gRPC layer on first use, so
 importing this package loads no gRPC until they are asked for.

@@ -1,7 +1,9 @@
 """The halves stand apart, and the code keeps its shape: the server never
 imports the client nor the client the server, the shared base (common/)
-imports neither, no class name is defined in both halves, and no module of
-the server grows past what one head holds. Read from the source (AST)."""
+imports neither, no class name is defined in both halves, the server's layers
+hold (server/__init__.py states them) with no import loop among its modules,
+and no module of the server grows past what one head holds. Read from the
+source (AST): an import under TYPE_CHECKING or inside a function counts."""
 
 from __future__ import annotations
 
@@ -72,3 +74,88 @@ def test_server_modules_fit_in_a_head():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in modules("server")}
     assert not {p: n for p, n in sizes.items() if n > 500}
     assert sizes["server/rendezvous/machine.py"] < 400
+
+
+# The server's layers, bottom up, as server/__init__.py states them: a module
+# imports from its own layer and those below; the two edges not from each
+# other; the stores, of the rendezvous above them, only model.py (their
+# records hold its events). The first entry that names a module places it.
+LAYERS = [
+    ("base", ("errors.py", "tokens.py")),
+    ("stores", ("rendezvous/store.py", "rendezvous/sqlite.py", "rendezvous/etcd.py")),
+    ("rendezvous", ("rendezvous/",)),
+    ("telemetry", ("telemetry.py",)),
+    ("edges", ("rpc/", "web/")),
+    ("process", ("main.py", "config.py", "ha.py", "startup.py", "gc_pacer.py", "__init__.py", "__main__.py")),
+]
+STORES_MAY_IMPORT = {"rendezvous/model.py"}
+SERVER = ROOT / "server"
+
+
+def layer(module: str) -> int:
+    """Where a server module (its path under server/) sits in LAYERS."""
+    for rank, (_, names) in enumerate(LAYERS):
+        if any(module == n or (n.endswith("/") and module.startswith(n)) for n in names):
+            return rank
+    raise AssertionError(f"server/{module} is in no layer of tests/test_layers.py LAYERS: give it one")
+
+
+def server_module(name: str) -> str | None:
+    """The path under server/ of the module `name` (commctx.server...), or None if it names none."""
+    parts = name.split(".")[2:]
+    for candidate in (pathlib.Path(*parts).with_suffix(".py") if parts else None, pathlib.Path(*parts, "__init__.py")):
+        if candidate is not None and (SERVER / candidate).is_file():
+            return candidate.as_posix()
+    return None
+
+
+def server_imports(path: pathlib.Path) -> set[str]:
+    """The server modules `path` imports, as paths under server/: `from . import x` is module x."""
+    package = "commctx.server." + ".".join(path.relative_to(SERVER).with_suffix("").parts)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package.split(".")[: -node.level], *([node.module] if node.module else [])]) if node.level \
+                else node.module or ""
+            names = [f"{base}.{a.name}" if server_module(f"{base}.{a.name}") else base for a in node.names]
+        else:
+            continue
+        out |= {m for n in names if n.startswith("commctx.server") and (m := server_module(n)) is not None}
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {p.relative_to(SERVER).as_posix(): server_imports(p) for p in modules("server")}
+
+
+def test_the_server_layers_hold():
+    wrong = []
+    for module, imports in import_graph().items():
+        for target in imports:
+            edges = {module.split("/")[0], target.split("/")[0]} == {"rpc", "web"}
+            up = layer(target) > layer(module)
+            if layer(module) == 1 and layer(target) == 2:
+                up = target not in STORES_MAY_IMPORT
+            if edges or up:
+                wrong.append(f"server/{module} ({LAYERS[layer(module)][0]}) imports server/{target} ({LAYERS[layer(target)][0]})")
+    assert not wrong
+
+
+def test_no_import_loops_among_server_modules():
+    graph = import_graph()
+    loops, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                loops.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not loops

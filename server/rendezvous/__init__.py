@@ -1,9 +1,8 @@
-"""Rendezvous: the domain. The state machine (machine.py: one object whose
-concerns are one module each: admission.py, forming.py, leases.py,
-restore.py, views.py, and a job's history, history.py) over the in-memory
-model (model.py) and the validated requests (params.py); deadlines in heaps
-(deadlines.py); per-caller shares (shares.py); the store and its records
-(store.py, sqlite.py, etcd.py); the executor that persists, announces and wakes
-(executor.py, actions.py); the Join that waits for its world (waiting.py); and
-the watches of a job's history (watching.py). Only the executor, waiting and
-watching use asyncio; nothing here uses grpc or protobuf."""
+"""Rendezvous: the domain, and below it the stores (the layers of
+server/__init__.py). The state machine (machine.py) changes the in-memory
+model (model.py) in synchronous transitions on validated requests
+(params.py) and returns the actions they imply, which the executor
+(executor.py) persists through a store (store.py, sqlite.py, etcd.py), then
+announces, then wakes. Nothing here imports the edges (rpc/, web/) or the
+process that wires them; only the stores do I/O (grpc in etcd.py, as etcd's
+client), and no module builds protocol messages."""
