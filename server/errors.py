@@ -1,8 +1,8 @@
 """The refusals the rendezvous domain gives callers, beyond those the planner
 shares (commctx.common.errors: Refusal, BadRequest, Conflict).
 
-Each class stands for one answer a caller can act on; the wire codec
-(rpc/codec.py) maps them to gRPC status codes in a single table. Messages name
+Each class stands for one answer a caller can act on; the gRPC edge
+(rpc/status.py) maps them to status codes in a single table. Messages name
 the offending values. (The client's public errors, commctx.errors, are named
 otherwise: they are what users catch.)
 """

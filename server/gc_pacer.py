@@ -4,17 +4,17 @@ CPython starts a young collection when allocations minus deallocations pass a
 threshold. A server holding ten thousand sessions frees objects made for the
 previous renewal as fast as it makes new ones, so that counter barely moves
 while the youngest generation fills with hundreds of thousands of objects,
-which one collection then scans in a single pause of 200 ms or more
-(measured with benchmarks/reform_scale.py and the commctx_gc_pause_seconds
-histogram). Collection cannot simply be turned off: grpc's own method lookup
+which one collection then scans in a single long pause (the
+commctx_gc_pause_seconds histogram shows it; docs/benchmarks.md has the
+numbers). Collection cannot simply be turned off: grpc's own method lookup
 leaves a few objects in a reference cycle per call.
 
 So the pacer turns automatic collection off and collects the youngest
 generation every 20 ms and the middle one every fifth pass: each pass sees
 only what was made since the last, a few milliseconds' worth. (When passes
 find next to nothing, an idle server, the period stretches to 100 ms.)
-Full collections, whose cost grows with everything the server holds (about
-60 ms per 1,000 open sessions here), run once the event loop has been calm
+Full collections, whose cost grows with everything the server holds (with
+its open sessions, mostly), run once the event loop has been calm
 for 30 seconds after busier times, at most every 5 minutes, and at least
 every hour, calm or not. Five calm seconds after a burst the C heap is
 trimmed (glibc's malloc_trim, in a worker thread): a burst of ten thousand

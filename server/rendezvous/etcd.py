@@ -128,7 +128,7 @@ def credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(config.ca, config.key, config.cert)
 
 
-WORLD_PART_BYTES = 512 * 1024  # a world's JSON above this is kept in parts: 100,000 workers' is 4.5 MB
+WORLD_PART_BYTES = 512 * 1024  # a world's JSON above this is kept in parts: a large world's would pass MAX_TXN_BYTES
 
 
 def job_value(job: JobRecord) -> tuple[bytes, str, list[bytes]]:

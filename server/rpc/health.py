@@ -5,11 +5,11 @@ The main port's grpc.health.v1 is grpc_health's asyncio servicer: its answers
 wait for the event loop, and behind every completion gRPC has queued for the
 loop before them. grpc.aio hands completions to the loop through one socket
 pair, a byte per completion, and the loop reads one byte per turn; while the
-executor pushes a re-form's assignments (a slice of 50 session writes per
-turn), some 300 completions fill that socket, gRPC's poller thread blocks on
-it, and nothing more reaches the loop, a new health Check included, until the
-loop has read it back down, about 200 turns later. At 10,000 members that is
-about as long as the re-form itself (benchmarks/reform_health.py).
+executor pushes a re-form's assignments (a slice of session writes per turn),
+their completions fill that socket, gRPC's poller thread blocks on it, and
+nothing more reaches the loop, a new health Check included, until the loop has
+read it back down, many turns later: for a large world, about as long as the
+re-form itself (benchmarks/reform_health.py).
 
 So the health-only port (--health-port, what the Kubernetes manifests probe)
 is a sync gRPC server: its own completion queue, polled by its own thread, and
