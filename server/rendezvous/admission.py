@@ -150,7 +150,7 @@ class Admission:
                                            "joined": job.workers, "world_size": job.spec.world_size}))
         what = f"{p.workers} workers of node {p.node_key!r}" if p.workers > 1 else f"a worker of node {p.node_key!r}"
         self._history.event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; {job.count()}",
-                    actions, member=member_id, node=p.node_key, role=p.role, workers=p.workers)
+                            actions, member=member_id, node=p.node_key, role=p.role, workers=p.workers)
         if job.state is JobState.FORMED:
             waiting = job.workers - job.placed
             if (job.workers == len(job.members) and not job.spec.nodes) or self._forming.grows(job):
@@ -181,7 +181,7 @@ class Admission:
         if held is not None:
             more = f" ({held} more like it since the last)" if held else ""
             self._history.event(job, EventKind.REFUSED, f"refused node {p.node_key!r}: {reason}{more}", self.outbox,
-                        node=p.node_key, error=type(exc).__name__, held=held)
+                                node=p.node_key, error=type(exc).__name__, held=held)
 
     def take_outbox(self) -> Actions:
         """What transitions that raised still implied (refusals' events), to carry out now."""
@@ -247,9 +247,9 @@ class Admission:
         count_in(job, node, member_id, newcomers, p.roles())
         job.last_arrival = self._clock()
         actions.writes.append(PutMember(job.job_id, member_record(member_id, member)))
-        self._history.event(job, EventKind.JOINED, f"{len(newcomers)} worker{'s' * (len(newcomers) > 1)} of host {member.node_key!r} "
-                                           f"joined; {job.count()}", actions, member=member_id, node=member.node_key,
-                    workers=len(newcomers))
+        self._history.event(job, EventKind.JOINED, f"{len(newcomers)} worker{'s' * (len(newcomers) > 1)} of host "
+                                                   f"{member.node_key!r} joined; {job.count()}", actions,
+                            member=member_id, node=member.node_key, workers=len(newcomers))
         if job.state is JobState.FORMED and self._forming.grows(job):
             waiting = job.workers - job.placed
             self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)

@@ -137,7 +137,8 @@ class Forming:
         job.suspects = {mid for mid in job.survivors()
                         if not lately(job.members[mid], now) or (confirmed is not None and mid != confirmed)}
         actions.notes.append(Note("reforming", {"job": job.job_id, "generation": job.generation, "reason": reason}))
-        self._history.event(job, EventKind.REFORMING, f"generation {job.generation} is re-forming: {reason}", actions, reason=reason)
+        self._history.event(job, EventKind.REFORMING, f"generation {job.generation} is re-forming: {reason}", actions,
+                            reason=reason)
         self.maybe_form(job, actions)
         if job.state is JobState.FORMING:
             self.announce(job, actions)
@@ -378,10 +379,11 @@ class Forming:
         actions.wakes.append((job.job_id, world))
         actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,
                                              "nodes": plan.num_nodes, "seconds": round(formed_in_s, 3)}))
-        self._history.event(job, EventKind.FORMED, f"generation {job.generation} formed: {plan.world_size} worker"
-                                           f"{'s' * (plan.world_size != 1)} on {plan.num_nodes} node{'s' * (plan.num_nodes != 1)} "
-                                           f"in {formed_in_s:.2f} s" + (f" ({reason})" if reason else ""),
-                    actions, world_size=plan.world_size, nodes=plan.num_nodes, seconds=round(formed_in_s, 3), reason=reason)
+        message = (f"generation {job.generation} formed: {plan.world_size} worker{'s' * (plan.world_size != 1)} on "
+                   f"{plan.num_nodes} node{'s' * (plan.num_nodes != 1)} in {formed_in_s:.2f} s"
+                   + (f" ({reason})" if reason else ""))
+        self._history.event(job, EventKind.FORMED, message, actions, world_size=plan.world_size, nodes=plan.num_nodes,
+                            seconds=round(formed_in_s, 3), reason=reason)
 
     def stop(self, job: Job, state: JobState, reason: str, verb: str, actions: Actions) -> None:
         """The job cannot go on: FAILED, ENDED or CLOSED. Every session and waiter hears why."""
@@ -389,7 +391,7 @@ class Forming:
         failed, closed = state is JobState.FAILED, state is JobState.CLOSED
         actions.notes.append(Note("failed" if failed else "ended", {"job": job.job_id, "reason": reason}))
         self._history.event(job, EventKind.FAILED if failed else EventKind.ENDED,
-                    f"{'failed' if failed else 'closed' if closed else 'finished'}: {reason}", actions, reason=reason)
+                            f"{'failed' if failed else 'closed' if closed else 'finished'}: {reason}", actions, reason=reason)
         actions.writes.append(PutJob(self._history.record(job)))
         gone = Gone(f"job {job.job_id!r} {verb}: {reason}", not failed, closed)
         actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
@@ -397,6 +399,7 @@ class Forming:
         actions.wakes.append((job.job_id, JobStopped(stopped, closed)))
 
     def arm_last_call(self, job: Job) -> None:
+        """Waits for a forming elastic job's last call (once armed, until it comes due)."""
         if job.state is JobState.FORMING and job.spec.min_size is not None and not job.last_call_armed:
             job.last_call_armed = True
             self._last_calls.push(job.last_arrival + job.spec.last_call_s, job.job_id)
