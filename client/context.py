@@ -140,8 +140,8 @@ class CommContext:
                 another backend of torch.distributed.Backend.
             timeout: Seconds to wait for the world to form (positive).
             collective_timeout: torch.distributed timeout in seconds (positive).
-            on_world_changed: Called (from the session thread; keep it quick)
-                when the server re-forms the world; see rejoin().
+            on_world_changed: Called (from the thread that brings the server's
+                news; keep it quick) when the server re-forms the world; see rejoin().
             abort_on_change: When the server says members of the current
                 world went without a Leave (a lease expired: a hung process or
                 a dead host; a session closed: a killed process), or the job

@@ -10,7 +10,6 @@ exported. The groups it builds go into the caller's GroupRegistry.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import logging
 import os
 import socket
@@ -25,44 +24,18 @@ from . import _torch
 from .addresses import server_addresses
 from .assignment import Assignment
 from .credentials import Tls
-from .errors import InvalidRequest, ServerUnavailable, UsageError
+from .errors import UsageError
 from .host import HostLink, host_worker
 from .host_wire import link_paths
 from .hub import HostJob
 from .launcher import LauncherEnv
-from .netif import interface_of, listen_on, route_source_address
+from .netif import advertised_address, interface_of, listen_on
 from .progress import DEFAULT_EVERY_S
 from .registry import GroupRegistry
-from .session import Session, route_source
+from .session import Session
 from .world import Peer, World, enter_world, kept_peers, leave_world
 
 log = logging.getLogger("commctx")
-
-
-def advertised_address(server_addr: str, advertise_addr: str | None, timeout_s: float = 0.0) -> str:
-    """The IP this worker (or agent) gives peers: `advertise_addr`, else the
-    local address of its route to the (first) server. A server's name that
-    does not resolve yet (or a host without a route yet) is waited for up to
-    `timeout_s` (session.route_source: with the join's warnings).
-
-    Raises:
-        InvalidRequest: `advertise_addr` is not an IP address.
-        InvalidArgument: `server_addr` is not host:port (addresses.server_addresses).
-        ServerUnavailable: the server's host does not resolve or has no route (within `timeout_s`).
-    """
-    if advertise_addr:
-        try:
-            return str(ipaddress.ip_address(advertise_addr))
-        except ValueError:
-            raise InvalidRequest("INVALID_ARGUMENT", f"advertise address {advertise_addr!r} is not an IP address") from None
-    host, port = server_addresses(server_addr)[0]  # of several replicas, the route to the first
-    try:
-        return str(ipaddress.ip_address(route_source_address(host, port)))
-    except OSError as exc:  # e.g. a host name that does not resolve (yet)
-        if timeout_s > 0:
-            return str(ipaddress.ip_address(route_source(server_addr, host, port, timeout_s)))
-        raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: host {host!r}: "
-                                f"{exc.strerror or exc}") from None
 
 
 class Membership:
@@ -73,11 +46,12 @@ class Membership:
     share one member, the HostLink to the hub that holds the Session for them.
     Create with `Membership.join`.
 
-    With `abort_on_change`, the session thread aborts the current world's
-    process groups as soon as the server says members of it went without a
-    Leave (a lease expired, a session closed), or this membership ended for
-    another reason than its job finishing: a collective blocked on a dead or
-    hung peer raises then instead of at torch's timeout (world.py says how)."""
+    With `abort_on_change`, the thread that brings the news aborts the
+    current world's process groups as soon as the server says members of it
+    went without a Leave (a lease expired, a session closed), or this
+    membership ended for another reason than its job finishing: a collective
+    blocked on a dead or hung peer raises then instead of at torch's timeout
+    (world.py says how)."""
 
     def __init__(self, session: Session | HostLink, address: str, backend: str, collective_timeout_s: int,
                  spare: socket.socket | None, env: MutableMapping[str, str], *, abort_on_change: bool = True,

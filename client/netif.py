@@ -8,6 +8,9 @@ import socket
 
 import psutil
 
+from .addresses import server_addresses
+from .errors import InvalidRequest, ServerUnavailable
+
 
 def route_source_address(host: str, port: int) -> str:
     """The local address the kernel would use to reach host:port.
@@ -67,3 +70,31 @@ def listen_on(address: str) -> socket.socket:
         return listen_socket(address)
     except OSError:  # an address that is not on a local interface (NAT): listen everywhere
         return listen_socket("::" if ":" in address else "0.0.0.0")
+
+
+def advertised_address(server_addr: str, advertise_addr: str | None, timeout_s: float = 0.0) -> str:
+    """The IP this worker (or agent) gives peers: `advertise_addr`, else the
+    local address of its route to the (first) server. A server's name that
+    does not resolve yet (or a host without a route yet) is waited for up to
+    `timeout_s` (session.route_source: with the join's warnings).
+
+    Raises:
+        InvalidRequest: `advertise_addr` is not an IP address.
+        InvalidArgument: `server_addr` is not host:port (addresses.server_addresses).
+        ServerUnavailable: the server's host does not resolve or has no route (within `timeout_s`).
+    """
+    if advertise_addr:
+        try:
+            return str(ipaddress.ip_address(advertise_addr))
+        except ValueError:
+            raise InvalidRequest("INVALID_ARGUMENT", f"advertise address {advertise_addr!r} is not an IP address") from None
+    host, port = server_addresses(server_addr)[0]  # of several replicas, the route to the first
+    try:
+        return str(ipaddress.ip_address(route_source_address(host, port)))
+    except OSError as exc:  # e.g. a host name that does not resolve (yet)
+        if timeout_s > 0:
+            from .session import route_source  # (the join's waiting and warnings; session needs this module)
+
+            return str(ipaddress.ip_address(route_source(server_addr, host, port, timeout_s)))
+        raise ServerUnavailable("UNAVAILABLE", f"cannot reach rendezvous server {server_addr}: host {host!r}: "
+                                f"{exc.strerror or exc}") from None

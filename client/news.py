@@ -94,7 +94,7 @@ class News:
         if self._ended is not None and not self._stop.is_set():
             try:
                 self._ended(before, reason)
-            except Exception:  # the session must go on
+            except Exception:  # the news must keep coming
                 log.exception("ending the old world failed")
 
     def _changed(self, change: WorldChange) -> None:
@@ -109,7 +109,7 @@ class News:
         for callback in callbacks:
             try:
                 callback(change)
-            except Exception:  # a user's callback must not end the session
+            except Exception:  # a user's callback must not stop the news
                 log.exception("world-changed callback failed")
 
     # -- what the worker reads ----------------------------------------------------------
@@ -121,12 +121,12 @@ class News:
             return self._change
 
     def on_world_changed(self, callback: Callable[[WorldChange], None]) -> None:
-        """Calls `callback(change)` from the session thread when the world changes."""
+        """Calls `callback(change)` from the thread that brings the news when the world changes."""
         with self._lock:
             self._callbacks.append(callback)
 
     def on_world_ended(self, callback: Callable[[float, str], None]) -> None:
-        """Calls `callback(before, reason)` from the session thread, first
+        """Calls `callback(before, reason)` from the thread that brings the news, first
         thing, when a collective of a world older than generation `before` may
         block for ever: members of it went without a Leave (their lease
         expired, their session closed), as a world_changed or the assignment

@@ -110,8 +110,7 @@ from .credentials import tls_of
 from .errors import InvalidArgument, InvalidRequest, JobClosed, MemberNotFound, RendezvousTimeout, ServerUnavailable, UsageError
 from .launched import WORLD_ENV
 from .launcher import LauncherEnv
-from .lifecycle import advertised_address
-from .netif import interface_of, listen_on
+from .netif import advertised_address, interface_of, listen_on
 from .progress import describe_wait, say
 from .session import Session
 
