@@ -22,7 +22,7 @@ import pytest
 
 from commctx.server import start_server
 from commctx.server.rendezvous.model import EventKind
-from commctx.server.rpc.auth import Callers
+from commctx.server.tokens import Callers
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from commctx import CommContext, PermissionDenied
 from commctx.server import start_server
-from commctx.server.rpc.auth import Callers
+from commctx.server.tokens import Callers
 from commctx.transport import error_from_rpc, error_reason
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc

@@ -20,7 +20,7 @@ from grpc import StatusCode as Code
 from commctx.server import start_server
 from commctx.server.rendezvous.model import Limits
 from commctx.server.rendezvous.shares import Guesses
-from commctx.server.rpc.auth import Callers
+from commctx.server.tokens import Callers
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from commctx.server import start_server
-from commctx.server.rpc.auth import Callers
+from commctx.server.tokens import Callers
 from commctx.server.web import WebServer
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
