@@ -28,9 +28,9 @@ from .join_request import join_arguments
 from .launched import LaunchedWorker
 from .launcher import LauncherEnv
 from .lifecycle import Membership
+from .news import WorldChange
 from .process_groups import destroy_all, init_world
 from .registry import GroupRecord, GroupRegistry
-from .session import WorldChange
 from .world import DESTROY_TIMEOUT_S
 
 DEFAULT_JOIN_TIMEOUT_S = 600.0

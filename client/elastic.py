@@ -51,7 +51,7 @@ from commctx.common.modes import GLOBAL
 
 from .context import CommContext
 from .errors import WorldChanged
-from .session import Session, WorldChange
+from .news import News, WorldChange
 
 log = logging.getLogger("commctx")
 
@@ -120,19 +120,20 @@ class Elastic:
             self._broken = True
             raise WorldChanged(change) from exc
 
-    def _session(self) -> Session | None:
+    def _news(self) -> News | None:
+        """The membership's news (its Session, or its HostLink); None under torchrun on commctx."""
         membership = self.ctx._membership
         return membership.session if membership is not None else None
 
     def _news_after(self, exc: RuntimeError) -> WorldChange | None:
-        session = self._session()
-        if session is None:  # torchrun on commctx: its agent restarts the workers
+        news = self._news()
+        if news is None:  # torchrun on commctx: its agent restarts the workers
             return None
-        change = session.world_change
-        if change is None and session.assignment is not None:
-            session.report_failure(session.assignment.generation)
+        change = news.world_change
+        if change is None and news.assignment is not None:
+            news.report_failure(news.assignment.generation)
             log.info("a collective failed (%s); waiting for the rendezvous server's news", str(exc).splitlines()[0][:160])
-            change = session.wait_world_change(session.lease_ttl_s + NEWS_SLACK_S)
+            change = news.wait_world_change(news.lease_ttl_s + NEWS_SLACK_S)
         return change
 
     # -- moving on ------------------------------------------------------------------
@@ -154,9 +155,9 @@ class Elastic:
         """
         deadline = time.monotonic() + (self._rejoin_timeout if timeout is None else timeout)
         while True:
-            session = self._session()
-            change = session.world_change if session is not None else None
-            if change is not None and (self._broken or change.final or session.next_ready):
+            news = self._news()
+            change = news.world_change if news is not None else None
+            if change is not None and (self._broken or change.final or news.next_ready):
                 self.ctx.rejoin(timeout=max(0.001, deadline - time.monotonic()))
                 self._broken = False
             assignment = self.ctx.assignment
