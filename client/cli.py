@@ -318,7 +318,7 @@ class _Version(argparse.Action):
 
 def version() -> str:
     """'commctx <version>' of the installed distribution."""
-    import importlib.metadata  # only for --version: its lookup is a tenth of the CLI's start-up
+    import importlib.metadata  # only for --version: its lookup would slow every command's start-up
 
     try:
         return f"commctx {importlib.metadata.version('commctx')}"
