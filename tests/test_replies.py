@@ -120,11 +120,11 @@ async def test_status_reads_a_job_of_100k_members(server, stub):
     print(f"100k members entered and formed in {filled:.1f} s")
 
 
-def assignment_message(seat: Seat) -> pb.Assignment:
-    """A seat's assignment built field by field by protobuf: the oracle the codec's one encoder is held to."""
+def assignment_message(world: NewWorld, seat: Seat) -> pb.Assignment:
+    """A seat's assignment in `world`, built field by field by protobuf: the oracle the codec's one encoder is held to."""
     plan, p = seat.plan, seat.placement
     return pb.Assignment(
-        job_id=seat.job_id, generation=seat.generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
+        job_id=seat.job_id, run=world.run, generation=seat.generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
         master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=seat.reason,
         previous_lost=seat.previous_lost, node_rank=p.node_rank, local_world_size=plan.nodes[p.node_rank].size,
         rank=p.rank, local_rank=p.local_rank, previous_rank=seat.previous_rank,
@@ -165,7 +165,7 @@ def test_every_assignment_on_the_wire_is_the_message_built_field_by_field():
             for kept in (worlds, None):  # an encoding kept for the world's delivery, and one made for this answer
                 event = codec.session_event(world, mid, kept)
                 assert type(event) is bytes and pb.SessionEvent.FromString(event) == pb.SessionEvent(
-                    assignment=assignment_message(seat)), mid
+                    assignment=assignment_message(world, seat)), mid
                 if mid == "w/1":
                     continue  # a node membership's second worker: answered in w's Join
                 placed = Placed(Joined("job", mid, 10.0, 1), world, "cd" * 16)
@@ -173,9 +173,9 @@ def test_every_assignment_on_the_wire_is_the_message_built_field_by_field():
                 assert codec.many_workers(placed, workers) == bool(workers)
                 answer = pb.JoinResponse.FromString(b"".join(codec.join_slices(placed, workers, kept)))
                 expected = pb.JoinResponse(member_id=mid, member_secret="cd" * 16, lease_ttl_ms=10_000,
-                                           assignment=assignment_message(seat))
+                                           assignment=assignment_message(world, seat))
                 if workers:
-                    expected.worker_assignments.extend(assignment_message(world.assignment_for(w)) for w in ("w", "w/1"))
+                    expected.worker_assignments.extend(assignment_message(world, world.assignment_for(w)) for w in ("w", "w/1"))
                 assert answer == expected, mid
             seen_previous.add(pb.SessionEvent.FromString(codec.session_event(world, mid)).assignment.HasField("previous_rank"))
         assert seen_previous == ({False} if world.previous is None else {True, False})  # m6: no previous rank
@@ -186,7 +186,7 @@ def test_a_host_memberships_assignments_are_its_workers_in_its_order():
     world = _worlds()[0]
     hosted = NewWorld("job", 1, world.plan, None, hosts={"w": (0, 1)})
     seats = [hosted.assignment_for("w", 0), hosted.assignment_for("w/1", 1)]
-    expected = [assignment_message(s) for s in seats]
+    expected = [assignment_message(hosted, s) for s in seats]
     assert [a.worker for a in expected] == [0, 1]
     assert codec.session_sliced(hosted, "w") and not codec.session_sliced(hosted, "m0")
     event = pb.SessionEvent.FromString(codec.session_event(hosted, "w", codec.Worlds()))

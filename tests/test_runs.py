@@ -231,8 +231,9 @@ def test_the_json_api_lists_runs_that_ended_and_describes_each():
     try:
         with grpc.insecure_channel(server.address) as ch:
             stub = pb_grpc.RendezvousStub(ch)
-            for _ in range(2):  # two runs of one id, each a world of one that finishes
+            for run in (1, 2):  # two runs of one id, each a world of one that finishes
                 joined = stub.Join(join_request("m11", 1))
+                assert (joined.assignment.run, joined.assignment.generation) == (run, 1)  # a world is (job, run, generation)
                 stub.Leave(pb.LeaveRequest(job_id="m11", member_id=joined.member_id, member_secret=joined.member_secret))
             waiting = stub.Join.future(join_request("m11", 2))  # run 3, forming (held: a dropped future cancels its call)
             wait_until(lambda: stub.DescribeJob(pb.DescribeJobRequest(job_id="m11")).run == 3, 10, "run 3 begins")

@@ -367,7 +367,7 @@ class Forming:
         actions.writes.append(PutMember(job.job_id, member_record(rank0, members[rank0])))
         formed_in_s, job.forming_since = now - job.forming_since, now  # the record keeps the formed world's start
         actions.writes.append(PutJob(self._history.record(job)))
-        world = NewWorld(job.job_id, job.generation, plan, previous, reason, job.formed_abandoned, job.hosts)
+        world = NewWorld(job.job_id, job.generation, plan, previous, reason, job.formed_abandoned, job.hosts, job.run)
         if previous is not None:
             change = Reforming(job.generation - 1, reason, job.formed_abandoned)
             for mid, m in members.items():

@@ -131,6 +131,7 @@ class NewWorld:
     reason: str = ""
     lost: bool = False  # members of the world it replaces went without a Leave
     hosts: Mapping[str, tuple[int, ...]] | None = None  # seated host memberships' worker indexes (None: none)
+    run: int = 1  # the run of the job it belongs to: (job_id, run, generation) names one world
 
     def seats(self, member_id: str) -> bool:
         """Whether the member sits in this world (whole: members are seated whole or not at all)."""
@@ -400,7 +401,7 @@ class Job:
     def world(self, previous: WorldPlan | None = None) -> NewWorld:
         """`plan` as the world of this generation (for a late session: with the one it replaced)."""
         return NewWorld(self.job_id, self.generation, self.plan, previous, self.reason,
-                        self.formed_abandoned if previous is not None else False, self.hosts)
+                        self.formed_abandoned if previous is not None else False, self.hosts, self.run)
 
     def member(self, member_id: str, secret: str | None = None) -> Member:
         """The member, if `secret` is its secret (None: not asked, a call on

@@ -105,7 +105,7 @@ class WorldEncoding:
         self._common = pb.Assignment(
             job_id=world.job_id, generation=world.generation, world_size=world.plan.world_size,
             num_nodes=world.plan.num_nodes, master_addr=world.plan.master_addr, master_port=world.plan.master_port,
-            dist_url=world.plan.dist_url, reason=world.reason, previous_lost=world.lost).SerializeToString()
+            dist_url=world.plan.dist_url, reason=world.reason, previous_lost=world.lost, run=world.run).SerializeToString()
         # By id(): the world holds its plan, which holds its groups, for as long as
         # this encoding is kept; hashing a group's ranks at every lookup would cost more.
         self._groups: dict[int, bytes] = {}

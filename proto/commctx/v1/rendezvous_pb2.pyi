@@ -213,7 +213,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., member_secret: _Optional[str] = ..., worker_assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason", "previous_lost", "worker")
+    __slots__ = ("job_id", "generation", "rank", "world_size", "node_rank", "num_nodes", "local_rank", "local_world_size", "master_addr", "master_port", "dist_url", "groups", "role", "changed_groups", "previous_rank", "reason", "previous_lost", "worker", "run")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class Assignment(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_LOST_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
@@ -250,7 +251,8 @@ class Assignment(_message.Message):
     reason: str
     previous_lost: bool
     worker: int
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ..., reason: _Optional[str] = ..., previous_lost: _Optional[bool] = ..., worker: _Optional[int] = ...) -> None: ...
+    run: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dist_url: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., role: _Optional[str] = ..., changed_groups: _Optional[_Iterable[str]] = ..., previous_rank: _Optional[int] = ..., reason: _Optional[str] = ..., previous_lost: _Optional[bool] = ..., worker: _Optional[int] = ..., run: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("mode", "index", "ranks", "cpu_twin", "root")
