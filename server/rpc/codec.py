@@ -1,10 +1,10 @@
 """The wire codec, at the RPC edge: protocol messages to and from the domain's
 values: spec <-> JobSpec, a Join's request -> JoinParams, a world's
 assignments -> the Join's answer and the session's events, views -> job
-descriptions and events. One encoder per message. Nothing else in the server
-builds protocol messages of the domain's values but its neighbours here:
-status.py (errors), paging.py (pages of these messages) and wire.py (bytes by
-hand)."""
+descriptions and events; one encoder per message. Its neighbours: status.py
+(errors -> status), paging.py (pages of these messages), specs.py (specs
+parsed once), wire.py (bytes by hand), undecodable.py (requests that do not
+parse)."""
 
 from __future__ import annotations
 
