@@ -40,7 +40,7 @@ def join_arguments(launcher: LauncherEnv, *, server_addr: str | None, job_id: st
     what they leave open taken from `launcher`.
 
     Raises:
-        UsageError: no server or no job is given.
+        UsageError: no server or no job is given, or a TLS certificate without its key.
         InvalidArgument: job_id is not a string, world_size not a positive
             integer, a server address not host:port, a malformed token or job secret.
         InvalidRequest: a `spec` dict that is not a JobSpec.
