@@ -9,7 +9,7 @@ A page asks for a generated part with a marker line:
                                    builds them)
     <!-- generated: error-reasons -->  every ErrorReason of the protocol: its comment in
                                    the .proto, the gRPC status the server answers it
-                                   with (server/rpc/codec.py) and the exception the
+                                   with (server/rpc/status.py) and the exception the
                                    client raises for it (commctx.transport)
 
 So these pages cannot drift from the code: `mkdocs build` renders what the
@@ -89,7 +89,7 @@ def error_reasons() -> str:
     import commctx
     import commctx.v1
     from commctx import transport
-    from commctx.server.rpc.codec import STATUS_OF
+    from commctx.server.rpc.status import STATUS_OF
     from commctx.v1 import rendezvous_pb2 as pb
 
     proto = (pathlib.Path(commctx.v1.__file__).parent / "rendezvous.proto").read_text()
@@ -109,7 +109,7 @@ def error_reasons() -> str:
         if name == "ERROR_REASON_UNSPECIFIED":
             continue
         if name not in status:
-            raise RuntimeError(f"docs/hooks.py: ErrorReason {name} has no status in server/rpc/codec.py STATUS_OF")
+            raise RuntimeError(f"docs/hooks.py: ErrorReason {name} has no status in server/rpc/status.py STATUS_OF")
         code = status[name]
         cls = transport._BY_REASON.get(name) or transport._BY_CODE.get(getattr(grpc.StatusCode, code)) or commctx.RendezvousError
         meaning = re.sub(r"^[A-Z_]+: ", "", comments.get(name, ""))

@@ -11,11 +11,13 @@ from commctx.server.errors import AlreadyExists, BadRequest, Conflict, Full
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import DISCONNECTED, JobState
 from commctx.server.rendezvous.params import JoinParams, Slot
+from commctx.server.rendezvous.waiting import Placed
 from commctx.server.rpc import codec
 from commctx.v1 import rendezvous_pb2 as pb
 
 from .stores import DictStore as MemoryStore  # the contract tests' reference store, keeping records
 from .test_machine import TTL, FakeClock, elastic, pushed, sessions, worlds
+from .test_replies import assignment_message
 
 HOST = "ab" * 8  # a client-chosen member id
 
@@ -70,15 +72,14 @@ def test_the_wire_carries_every_host_workers_assignment_with_its_index(rdzv):
     _, actions, _ = rdzv.join(single(spec, "h2"))
     (world,) = worlds(actions)
     event = pb.SessionEvent.FromString(codec.session_event(world, HOST))
-    assert event == codec._fill_host(pb.SessionEvent(), world, HOST)  # the bytes joined from parts: the message built whole
+    expected = [assignment_message(world, s) for s in world.host_seats(HOST)]  # the message built field by field
+    assert event == pb.SessionEvent(assignment=expected[0], worker_assignments=expected)
     assert [a.worker for a in event.worker_assignments] == [1, 2] and event.assignment == event.worker_assignments[0]
     assert sorted(a.rank for a in event.worker_assignments) == [0, 1]
     assert {a.local_rank for a in event.worker_assignments} == {0, 1}
     joined, _, placed = rdzv.join(host(spec, Slot(1), Slot(2)))  # re-attaching: the formed world at once
-    response = codec.join_response(codec.Placed(joined, placed, "cd" * 16))
+    response = pb.JoinResponse.FromString(b"".join(codec.join_slices(Placed(joined, placed, "cd" * 16), 0)))
     assert list(response.worker_assignments) == list(event.worker_assignments)
-    wire = codec.join_answer(codec.Placed(joined, placed, "cd" * 16))  # what the servicer sends: encoded ahead
-    assert type(wire) is bytes and pb.JoinResponse.FromString(wire) == response
 
 
 def test_a_dead_worker_leaves_its_hosts_seat_and_the_others_keep_theirs(rdzv, clock):
@@ -91,7 +92,8 @@ def test_a_dead_worker_leaves_its_hosts_seat_and_the_others_keep_theirs(rdzv, cl
     actions = rdzv.remove_workers("job", HOST, [2], DISCONNECTED)
     (second,) = worlds(actions)
     wire = pb.SessionEvent.FromString(codec.session_event(second, HOST))
-    assert wire == codec._fill_host(pb.SessionEvent(), second, HOST) and [a.worker for a in wire.worker_assignments] == [1, 3]
+    expected = [assignment_message(second, s) for s in second.host_seats(HOST)]
+    assert list(wire.worker_assignments) == expected and [a.worker for a in wire.worker_assignments] == [1, 3]
     assert all(a.HasField("previous_rank") and a.reason for a in wire.worker_assignments)
     after = seats_of(second)
     assert set(after) == set(before) - {f"{HOST}/2"} and second.lost  # survivors abort the old world's collectives
