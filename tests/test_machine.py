@@ -1273,3 +1273,52 @@ def test_closing_a_job_tells_everyone_refuses_its_late_joiners_and_its_id_then_t
         join(machine, node_params(spec, "d", 1))
         assert (machine.describe("run").run, machine.describe("run").state, machine.describe("run", run=1).state) == (
             2, JobState.FORMING, JobState.CLOSED)
+
+
+def world_of_given_ids(rdzv: Rendezvous) -> list[str]:
+    """A formed elastic world of 4 (min 1) whose members chose their ids (as clients that retry do), sessions open."""
+    ids = [join(rdzv, params(elastic(4, 1), f"n{i}", member_id=f"{i + 1:016x}"))[0] for i in range(4)]
+    sessions(rdzv, ids)
+    return ids
+
+
+def test_a_seated_member_waiting_in_a_reattaching_join_is_held_by_its_call(rdzv, clock):
+    """Found by benchmarks/chaos.py: a member seated in a world that is re-forming re-attaches with
+    its Join (its first try was cut by a failover) and waits for the next world. Its call holds it,
+    as it holds a newcomer: its lease does not run out while the world waits for rank 0's spare port;
+    the next world seats it; a call that ends first gives its lease back (not held forever)."""
+    ids = world_of_given_ids(rdzv)
+    (second,) = worlds(rdzv.leave("job", ids[3]))  # rank 0's spare serves generation 2's store
+    assert rdzv.describe("job").state is JobState.FORMED
+    rdzv.leave("job", ids[2])  # generation 3 waits for rank 0 to offer a new spare
+    assert rdzv.describe("job").state is JobState.FORMING
+    joined, _, placed = rdzv.join(params(elastic(4, 1), "n1", member_id=ids[1]))  # a retried Join
+    assert (joined.member_id, placed) == (ids[1], None)
+    for _ in range(3):  # three leases pass; rank 0 renews, the waiting member only waits in its Join
+        clock.now += TTL * 0.9
+        rdzv.renew("job", ids[0], second.generation)
+        actions, _ = rdzv.expire_due()
+        assert not [n for n in actions.notes if n.event == "removed"]
+    _, actions = rdzv.renew("job", ids[0], second.generation, spare_port=40200)
+    (third,) = worlds(actions)
+    assert set(third.plan.ranks) == {ids[0], ids[1]} and third.assignment_for(ids[1]) is not None
+    clock.now += TTL + 1  # its first lease in the new world runs out like anyone's
+    rdzv.renew("job", ids[0], third.generation)
+    actions, _ = rdzv.expire_due()
+    assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [ids[1]]
+
+
+def test_a_seated_members_join_that_ends_before_its_world_gives_its_lease_back(rdzv, clock):
+    ids = world_of_given_ids(rdzv)
+    rdzv.leave("job", ids[3])
+    rdzv.leave("job", ids[2])
+    rdzv.join(params(elastic(4, 1), "n1", member_id=ids[1]))
+    for _ in range(3):
+        clock.now += TTL * 0.9
+        rdzv.renew("job", ids[0], 2)
+        assert not rdzv.expire_due()[0].notes  # held by its call
+    assert not rdzv.withdraw("job", ids[1]).writes  # the call ended: seated, not withdrawn ...
+    clock.now += TTL + 0.01
+    rdzv.renew("job", ids[0], 2)
+    actions, _ = rdzv.expire_due()
+    assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [ids[1]]  # ... its lease ran again

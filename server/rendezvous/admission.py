@@ -201,6 +201,9 @@ class Admission:
         if job.seated(p.member_id, member) == member.workers:
             if job.state is JobState.FORMED:
                 return joined, actions, job.world()
+            # Seated in a world being re-formed (a Join retried across a failover, say): its call
+            # holds it until the next world, as it holds a newcomer; withdraw gives the lease back.
+            self._lessor.bind(member)
             return joined, actions, None
         if job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
             return joined, actions, None
@@ -360,7 +363,10 @@ class Admission:
         actions = Actions()
         job = self._jobs.live.get(job_id)
         member = job.members.get(member_id) if job is not None else None
-        if member is None or member.lease is not Lease.IN_JOIN or job.in_world(member_id):
+        if member is None or member.lease is not Lease.IN_JOIN:
+            return actions
+        if job.in_world(member_id):  # seated, its call held it: its lease runs again from now
+            self._lessor.release(job_id, member_id, member)
             return actions
         self._leaving.remove(job, member_id, "withdrawn", actions)
         return actions

@@ -69,6 +69,10 @@ class Lessor:
         """The member is bound to a Join call again (IN_JOIN): no deadline."""
         member.lease, member.lease_deadline = Lease.IN_JOIN, None
 
+    def release(self, job_id: str, member_id: str, member: Member) -> None:
+        """The Join call that held a seated member ended before its next world: one TTL from now."""
+        self.grant(job_id, member_id, member, self._clock() + self.ttl_s)
+
     def renew(self, job_id: str, member_id: str, member: Member, attach: bool) -> None:
         """The member was heard from. `attach`: its message may take a DETACHED
         lease back (it names no generation older than the member's).
