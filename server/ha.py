@@ -179,8 +179,13 @@ class Replica:
         last renewal etcd confirmed could have run out (less a margin). Runs in a
         worker thread, off the event loop, through the blocking gRPC API: a leader busy with a
         burst of ten thousand joins must not lose its lease because its
-        renewals wait behind them on the event loop."""
-        leases = rpc.LeaseStub(self._store.channel)
+        renewals wait behind them on the event loop.
+
+        A renewal counts once a linearizable read has come back after it: etcd's
+        leader renews leases by itself, and one that lost its quorum does so until
+        it notices, which a one-way partition can put off for as long as it lasts;
+        the read needs the quorum."""
+        leases, kv = rpc.LeaseStub(self._store.channel), rpc.KVStub(self._store.channel)
         trusted_until = granted_at + self._ttl - self._margin
         while not stop.is_set():
             sent = self._clock()
@@ -190,6 +195,8 @@ class Replica:
                 reply = next(replies)
                 if reply.TTL <= 0:
                     raise LeaseLost("the election lease expired")
+                kv.Range(rpc.RangeRequest(key=self._config.leader_key), metadata=self._token,
+                         timeout=max(0.05, trusted_until - self._clock()))
                 trusted_until = self.trusted_until = sent + reply.TTL - self._margin
                 pause = self._ttl / 3
             except (grpc.RpcError, StopIteration):
