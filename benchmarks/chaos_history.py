@@ -7,8 +7,8 @@ netem) records every call with its answer, the client host, the replica that
 answered and its start/end (monotonic seconds), and hands the History to
 `check`. The invariants (names as reported):
 
-  unique_rank      no two members hold the same rank of a job in one generation
-  one_world        no two records tell different worlds for one job and generation
+  unique_rank      no two members hold the same rank of a job in one generation (of one run)
+  one_world        no two records tell different worlds for one job, run and generation
   monotonic_gen    a member's generations never go backwards in real time
   leave_final      no answered Leave comes back
   join_kept        no completed Join is lost from the final state (probes)
@@ -56,7 +56,8 @@ class Op:
     ("NOT_FOUND", "UNAVAILABLE", ...). generation/rank/node_rank: the assignment answered (a KeepAlive
     answers a generation). world: a digest of the world told (world_digest), members: the world's
     members where known (describe, event); state: a describe's job state ("FORMED", ...).
-    epoch: the leader epoch (election revision) of the replica that answered a write, where known."""
+    epoch: the leader epoch (election revision) of the replica that answered a write, where known.
+    A world is named by (job, run, generation)."""
 
     id: int
     kind: str
@@ -75,6 +76,7 @@ class Op:
     members: tuple[str, ...] | None = None
     state: str = ""
     epoch: int | None = None
+    run: int = 0  # the run of the job (a job id names one run at a time; generations count within it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +150,13 @@ def check(history: History) -> Report:
 
 
 def unique_rank(ops: list[Op]) -> list[Violation]:
-    """Rule: among answered records with a rank, (job, generation, rank) maps to one member."""
-    holder: dict[tuple[str, int, int], Op] = {}
+    """Rule: among answered records with a rank, (job, run, generation, rank) maps to one member."""
+    holder: dict[tuple[str, int, int, int], Op] = {}
     out = []
     for o in ops:
         if not o.ok or o.rank is None or o.generation is None or not o.member:
             continue
-        first = holder.setdefault((o.job, o.generation, o.rank), o)
+        first = holder.setdefault((o.job, o.run, o.generation, o.rank), o)
         if first.member != o.member:
             out.append(Violation("unique_rank", (first.id, o.id), f"rank {o.rank} of {o.job} generation {o.generation} "
                                  f"given to {first.member} and {o.member}"))
@@ -162,15 +164,15 @@ def unique_rank(ops: list[Op]) -> list[Violation]:
 
 
 def one_world(ops: list[Op]) -> list[Violation]:
-    """Rule: among answered records with a world digest, (job, generation) maps to one digest."""
-    told: dict[tuple[str, int], Op] = {}
+    """Rule: among answered records with a world digest, (job, run, generation) maps to one digest."""
+    told: dict[tuple[str, int, int], Op] = {}
     out, reported = [], set()
     for o in ops:
         if not o.ok or not o.world or o.generation is None:
             continue
-        first = told.setdefault((o.job, o.generation), o)
-        if first.world != o.world and (o.job, o.generation) not in reported:
-            reported.add((o.job, o.generation))
+        first = told.setdefault((o.job, o.run, o.generation), o)
+        if first.world != o.world and (o.job, o.run, o.generation) not in reported:
+            reported.add((o.job, o.run, o.generation))
             out.append(Violation("one_world", (first.id, o.id), f"{o.job} generation {o.generation}: "
                                  f"{first.member or first.kind} told world {first.world}, {o.member or o.kind} {o.world}"))
     return out
@@ -226,12 +228,13 @@ def leave_final(ops: list[Op]) -> list[Violation]:
 def join_kept(ops: list[Op], lease_ttl_s: float) -> list[Violation]:
     """Rule: a member with an answered Join and no answered Leave is found by its last probe, unless a
     renewal answered NOT_FOUND and its answered Join/KeepAlives, with that renewal's start, were somewhere
-    0.9 lease TTL or more apart (its lease expired: the renewals failed for a lease)."""
+    0.9 lease TTL or more apart (its lease expired: the renewals failed for a lease), or a call answered
+    RUN_ENDED (the run it was in ended: FAILED, ENDED or CLOSED, and every member with it)."""
     left, out = left_at(ops), []
     for member, mine in by_member(ops).items():
         joined = next((o for o in mine if o.kind == "join" and o.ok), None)
         probes = [o for o in mine if o.kind == "probe"]
-        if joined is None or not probes or member in left or probes[-1].ok:
+        if joined is None or not probes or member in left or probes[-1].ok or any(o.error == "RUN_ENDED" for o in mine):
             continue
         gone = next((o for o in mine if o.kind == "keepalive" and o.error == "NOT_FOUND"), None)
         times = sorted([o.end for o in mine if o.ok and o.kind in ("join", "keepalive")] + ([gone.start] if gone else []))

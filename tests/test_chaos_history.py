@@ -127,3 +127,22 @@ def test_no_minority_only_for_answers_wholly_inside_the_cut_after_the_ttl():
     assert ch.check(with_ops(ch.Op(0, "describe", "job-a", "", "h3", "r0", 26.0, 26.1, ok=False,
                                    error="UNAVAILABLE"))).violations == []
     assert ch.check(with_ops(ch.Op(0, "describe", "job-a", "", "h3", "r1", 26.0, 26.1, **d))).violations == []
+
+
+def test_a_later_run_of_a_job_id_may_reuse_its_generations_and_ranks():
+    """Generations count from 1 in each run: run 2's world of generation 1 is another world, with
+    other members in the same ranks; within one run the same clash is a violation."""
+    run2 = [ch.Op(0, "join", "job-b", m, "h2", "r1", 40.0, 40.5, generation=1, rank=r, world=ch.world_digest(["x"]), run=2)
+            for r, m in enumerate(("b-8", "b-9"))]
+    assert ch.check(with_ops(*run2, checks_convergence=False)).violations == []
+    clash = [dataclasses.replace(o, run=0) for o in run2]  # the clean history's worlds are run 0's
+    assert ch.check(with_ops(*clash, checks_convergence=False)).invariants() == {"unique_rank", "one_world"}
+
+
+def test_a_member_whose_run_ended_may_be_missing_from_the_final_state():
+    """join_kept: a member told RUN_ENDED (its job's run failed, ended or closed, and every member with it)
+    is not a lost Join; the same member found missing (NOT_FOUND) with no such word is."""
+    gone = ch.Op(0, "keepalive", "job-b", "b-1", "h1", "r1", 30.0, 30.1, ok=False, error="RUN_ENDED")
+    missing = ch.Op(0, "probe", "job-b", "b-1", "h3", "r1", 51.0, 51.1, ok=False, error="RUN_ENDED")
+    assert ch.check(with_ops(gone, missing)).invariants() <= {"convergence"}
+    assert "join_kept" in ch.check(with_ops(dataclasses.replace(missing, error="NOT_FOUND"))).invariants()
