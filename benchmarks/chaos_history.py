@@ -229,12 +229,14 @@ def join_kept(ops: list[Op], lease_ttl_s: float) -> list[Violation]:
     """Rule: a member with an answered Join and no answered Leave is found by its last probe, unless a
     renewal answered NOT_FOUND and its answered Join/KeepAlives, with that renewal's start, were somewhere
     0.9 lease TTL or more apart (its lease expired: the renewals failed for a lease), or a call answered
-    RUN_ENDED (the run it was in ended: FAILED, ENDED or CLOSED, and every member with it)."""
+    RUN_ENDED (the run it was in ended: FAILED, ENDED or CLOSED, and every member with it), or it tried
+    to Leave (unanswered, it stops renewing: its lease runs out, as a worker's that exited)."""
     left, out = left_at(ops), []
     for member, mine in by_member(ops).items():
         joined = next((o for o in mine if o.kind == "join" and o.ok), None)
         probes = [o for o in mine if o.kind == "probe"]
-        if joined is None or not probes or member in left or probes[-1].ok or any(o.error == "RUN_ENDED" for o in mine):
+        if joined is None or not probes or member in left or probes[-1].ok \
+                or any(o.error == "RUN_ENDED" or o.kind == "leave" for o in mine):
             continue
         gone = next((o for o in mine if o.kind == "keepalive" and o.error == "NOT_FOUND"), None)
         times = sorted([o.end for o in mine if o.ok and o.kind in ("join", "keepalive")] + ([gone.start] if gone else []))

@@ -146,3 +146,10 @@ def test_a_member_whose_run_ended_may_be_missing_from_the_final_state():
     missing = ch.Op(0, "probe", "job-b", "b-1", "h3", "r1", 51.0, 51.1, ok=False, error="RUN_ENDED")
     assert ch.check(with_ops(gone, missing)).invariants() <= {"convergence"}
     assert "join_kept" in ch.check(with_ops(dataclasses.replace(missing, error="NOT_FOUND"))).invariants()
+
+
+def test_a_member_that_tried_to_leave_may_be_missing_from_the_final_state():
+    """Its Leave unanswered (a partition), the worker stops renewing and its lease runs out."""
+    tried = ch.Op(0, "leave", "job-b", "b-1", "h1", "r1", 30.0, 33.0, ok=False, error="DEADLINE_EXCEEDED")
+    missing = ch.Op(0, "probe", "job-b", "b-1", "h3", "r1", 51.0, 51.1, ok=False, error="NOT_FOUND")
+    assert "join_kept" not in ch.check(with_ops(tried, missing)).invariants()
