@@ -23,15 +23,19 @@ import asyncio
 import contextlib
 import json
 import os
+import pathlib
 import random
+import sys
 import time
 
 import grpc
 
-from benchmarks.chaos_history import world_digest
-from commctx.transport import leader_hint
-from commctx.v1 import rendezvous_pb2 as pb
-from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.chaos_history import world_digest  # noqa: E402
+from commctx.transport import leader_hint  # noqa: E402
+from commctx.v1 import rendezvous_pb2 as pb  # noqa: E402
+from commctx.v1 import rendezvous_pb2_grpc as pb_grpc  # noqa: E402
 
 RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 RUN_ENDED = "RUN_ENDED"  # recorded for a member gone because its job's run ended (FAILED, ENDED, CLOSED), not its own lease
@@ -280,7 +284,8 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--out", required=True)
