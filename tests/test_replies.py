@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from commctx.common.planning import Candidate, JobSpec, plan_world
-from commctx.server.rendezvous.model import Joined, NewWorld, Seat
+from commctx.server.rendezvous.model import Joined, NewWorld, SeatInWorld
 from commctx.server.rendezvous.params import JoinParams
 from commctx.server.rendezvous.waiting import Placed
 from commctx.server.rpc import codec
@@ -120,7 +120,7 @@ async def test_status_reads_a_job_of_100k_members(server, stub):
     print(f"100k members entered and formed in {filled:.1f} s")
 
 
-def assignment_message(world: NewWorld, seat: Seat) -> pb.Assignment:
+def assignment_message(world: NewWorld, seat: SeatInWorld) -> pb.Assignment:
     """A seat's assignment in `world`, built field by field by protobuf: the oracle the codec's one encoder is held to."""
     plan, p = seat.plan, seat.placement
     return pb.Assignment(
@@ -161,7 +161,7 @@ def test_every_assignment_on_the_wire_is_the_message_built_field_by_field():
     for world in _worlds():
         seen_previous = set()
         for mid in world.plan.ranks:
-            seat = world.assignment_for(mid)
+            seat = world.seat_of(mid)
             for kept in (worlds, None):  # an encoding kept for the world's delivery, and one made for this answer
                 event = codec.session_event(world, mid, kept)
                 assert type(event) is bytes and pb.SessionEvent.FromString(event) == pb.SessionEvent(
@@ -175,7 +175,7 @@ def test_every_assignment_on_the_wire_is_the_message_built_field_by_field():
                 expected = pb.JoinResponse(member_id=mid, member_secret="cd" * 16, lease_ttl_ms=10_000,
                                            assignment=assignment_message(world, seat))
                 if workers:
-                    expected.worker_assignments.extend(assignment_message(world, world.assignment_for(w)) for w in ("w", "w/1"))
+                    expected.worker_assignments.extend(assignment_message(world, world.seat_of(w)) for w in ("w", "w/1"))
                 assert answer == expected, mid
             seen_previous.add(pb.SessionEvent.FromString(codec.session_event(world, mid)).assignment.HasField("previous_rank"))
         assert seen_previous == ({False} if world.previous is None else {True, False})  # m6: no previous rank
@@ -185,7 +185,7 @@ def test_every_assignment_on_the_wire_is_the_message_built_field_by_field():
 def test_a_host_memberships_assignments_are_its_workers_in_its_order():
     world = _worlds()[0]
     hosted = NewWorld("job", 1, world.plan, None, hosts={"w": (0, 1)})
-    seats = [hosted.assignment_for("w", 0), hosted.assignment_for("w/1", 1)]
+    seats = [hosted.seat_of("w", 0), hosted.seat_of("w/1", 1)]
     expected = [assignment_message(hosted, s) for s in seats]
     assert [a.worker for a in expected] == [0, 1]
     assert codec.session_sliced(hosted, "w") and not codec.session_sliced(hosted, "m0")

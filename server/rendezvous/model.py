@@ -102,8 +102,9 @@ class Joined(NamedTuple):
     joined: int
 
 
-class Seat(NamedTuple):
-    """A member's seat in the world of one generation."""
+class SeatInWorld(NamedTuple):
+    """A worker's seat in one world, and what its Assignment says of that
+    world (the server's view of the Assignment it is sent)."""
 
     job_id: str
     generation: int
@@ -120,7 +121,7 @@ class Seat(NamedTuple):
 @dataclasses.dataclass(frozen=True, slots=True)
 class NewWorld:
     """A world that formed: the event pushed to its survivors, and what its
-    Join waiters wake to. Each member's Seat is derived on demand, by
+    Join waiters wake to. Each member's SeatInWorld is derived on demand, by
     whoever delivers it, so forming a world of ten thousand costs the state
     machine one object rather than ten thousand."""
 
@@ -137,7 +138,7 @@ class NewWorld:
         """Whether the member sits in this world (whole: members are seated whole or not at all)."""
         return member_id in self.plan.ranks or (self.hosts is not None and member_id in self.hosts)
 
-    def assignment_for(self, member_id: str, worker: int = 0) -> Seat | None:
+    def seat_of(self, member_id: str, worker: int = 0) -> SeatInWorld | None:
         """The seat of `member_id` (a seated worker's id: worker_id), whose host worker index is `worker`."""
         p = self.plan.placement(member_id)
         if p is None:
@@ -145,12 +146,12 @@ class NewWorld:
         before = self.previous.placement(member_id) if self.previous is not None else None
         groups = self.plan.groups_of(p)
         changed = self.changed_groups(groups, before)
-        return Seat(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None, self.reason,
-                    self.lost, worker, groups)
+        return SeatInWorld(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None,
+                           self.reason, self.lost, worker, groups)
 
-    def host_seats(self, member_id: str) -> list[Seat]:
+    def host_seats(self, member_id: str) -> list[SeatInWorld]:
         """A seated host membership's workers' seats, in its order."""
-        return [self.assignment_for(worker_id(member_id, i), i) for i in (self.hosts or {}).get(member_id, ())]
+        return [self.seat_of(worker_id(member_id, i), i) for i in (self.hosts or {}).get(member_id, ())]
 
     def changed_groups(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> tuple[str, ...]:
         """The modes of `groups` (a worker's in this world) whose members differ

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from commctx.common.planning import JobSpec, PlannedGroup, elide
 from commctx.v1 import rendezvous_pb2 as pb
 
-from ..rendezvous.model import Gone, JobEvent, JobState, NewWorld, Reforming, Seat, SessionEvent, worker_id
+from ..rendezvous.model import Gone, JobEvent, JobState, NewWorld, Reforming, SeatInWorld, SessionEvent, worker_id
 from ..rendezvous.params import JoinParams, Slot
 from ..rendezvous.reports import JobView
 from ..rendezvous.waiting import Placed
@@ -112,7 +112,7 @@ class WorldEncoding:
         self._nodes: dict[int, bytes] = {}  # by node rank: node_rank, local_world_size
         self._changes: dict[tuple[str, ...], bytes] = {}  # changed_groups
 
-    def assignment(self, seat: Seat) -> bytes:
+    def assignment(self, seat: SeatInWorld) -> bytes:
         """A worker's Assignment, serialized: the parts it shares and its own fields."""
         p, plan = seat.placement, self.world.plan
         own = wire.own_bytes(p.rank, p.local_rank, seat.previous_rank, plan.roles[p.rank] if plan.roles else "", seat.worker)
@@ -181,11 +181,11 @@ def join_slices(placed: Placed, workers: int, worlds: Worlds | None = None) -> I
                            lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000)).SerializeToString()
     encoding = _encoding(world, worlds)
     if world.hosts is not None and member_id in world.hosts:
-        seats = (world.assignment_for(worker_id(member_id, i), i) for i in world.hosts[member_id])
+        seats = (world.seat_of(worker_id(member_id, i), i) for i in world.hosts[member_id])
     elif workers:
-        seats = (world.assignment_for(worker_id(member_id, i)) for i in range(workers))
+        seats = (world.seat_of(worker_id(member_id, i)) for i in range(workers))
     else:
-        return iter((head + wire.field(_JOIN_ASSIGNMENT, encoding.assignment(world.assignment_for(member_id))),))
+        return iter((head + wire.field(_JOIN_ASSIGNMENT, encoding.assignment(world.seat_of(member_id))),))
     return _slices(encoding, seats, _JOIN_ASSIGNMENT, _JOIN_WORKERS, head)
 
 
@@ -197,7 +197,7 @@ def session_sliced(event: SessionEvent, member_id: str) -> bool:
 def session_slices(world: NewWorld, member_id: str, worlds: Worlds | None = None) -> Iterator[bytes]:
     """A host membership's SessionEvent in `world`, as bytes, ANSWER_SLICE workers'
     assignments at a time (the servicer yields the event loop between two slices)."""
-    seats = (world.assignment_for(worker_id(member_id, i), i) for i in world.hosts[member_id])
+    seats = (world.seat_of(worker_id(member_id, i), i) for i in world.hosts[member_id])
     return _slices(_encoding(world, worlds), seats, _ASSIGNMENT, _WORKER_ASSIGNMENTS)
 
 
@@ -207,7 +207,7 @@ def session_event(event: SessionEvent, member_id: str, worlds: Worlds | None = N
     if isinstance(event, NewWorld):
         if session_sliced(event, member_id):
             return b"".join(session_slices(event, member_id, worlds))
-        seat = event.assignment_for(member_id)
+        seat = event.seat_of(member_id)
         return None if seat is None else wire.field(_ASSIGNMENT, _encoding(event, worlds).assignment(seat))
     if isinstance(event, Reforming):
         return pb.SessionEvent(world_changed=pb.WorldChange(generation=event.generation, reason=event.reason, lost=event.lost))
@@ -216,7 +216,7 @@ def session_event(event: SessionEvent, member_id: str, worlds: Worlds | None = N
     raise TypeError(f"not a session event: {elide(event)}")
 
 
-def _slices(encoding: WorldEncoding, seats: Iterator[Seat], first: int, each: int, head: bytes = b"") -> Iterator[bytes]:
+def _slices(encoding: WorldEncoding, seats: Iterator[SeatInWorld], first: int, each: int, head: bytes = b"") -> Iterator[bytes]:
     """`head`, then the seats' assignments: the first's as field `first` and every one's as
     field `each` (tags), ANSWER_SLICE at a time: a message's bytes, to be joined."""
     out = [head]
