@@ -44,7 +44,7 @@ def single(spec: JobSpec, node: str, role: str = "", job: str = "job") -> JoinPa
 
 def seats_of(world) -> dict[str, tuple[int, int, int]]:
     """Worker id -> (rank, node rank, local rank)."""
-    return {wid: (p.rank, p.node_rank, p.local_rank) for wid in world.plan.ranks if (p := world.plan.placement(wid))}
+    return {wid: (p.rank, p.node_rank, p.local_rank) for wid in world.plan.ranks if (p := world.plan.seat_of(wid))}
 
 
 def test_a_host_membership_seats_each_worker_under_its_own_id_with_its_own_role(rdzv):

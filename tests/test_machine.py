@@ -107,7 +107,7 @@ def test_a_fixed_world_forms_when_the_last_worker_joins(rdzv):
     # ... the waiters woken with it, and operators told
     assert [n.event for n in actions.notes][-1] == "formed"
     a = world.seat_of(first)
-    assert (a.placement.rank, a.placement.node_rank, a.placement.local_rank, a.changed_groups) == (
+    assert (a.seat.rank, a.seat.node_rank, a.seat.local_rank, a.changed_groups) == (
         2, 1, 0, ("GLOBAL", "INTRA_NODE", "INTER_NODE"))
 
 
@@ -185,7 +185,7 @@ def test_a_retried_join_reattaches(rdzv, clock):
         rdzv.join(params(spec, "other-node", member_id="aa" * 8))
     join(rdzv, params(spec))
     _, _, placed = rdzv.join(params(spec, member_id="aa" * 8, port=2))  # placed already: answered at once
-    assert placed.generation == 1 and placed.seat_of(first).placement.rank == 0
+    assert placed.generation == 1 and placed.seat_of(first).seat.rank == 0
 
 
 def test_withdraw_before_forming_removes_after_forming_does_not(rdzv):
@@ -628,7 +628,7 @@ def test_a_late_joiner_grows_the_world_and_survivors_get_one_message(rdzv, clock
     assert world.generation == 2 and ranks(rdzv) == {a: 0, c: 1, b: 2}  # n0 (a, c), then n1 (b): b keeps node rank 1
     assert pushed(actions, sinks[a]) == [world] and pushed(actions, sinks[b]) == [world]  # no Reforming first
     pa, pb_ = world.seat_of(a), world.seat_of(b)
-    assert (pa.previous_rank, pb_.previous_rank, pb_.placement.rank) == (0, 1, 2)
+    assert (pa.previous_rank, pb_.previous_rank, pb_.seat.rank) == (0, 1, 2)
     assert "1 worker waiting to join can grow the world" in pa.reason
     assert set(pa.changed_groups) == {"GLOBAL", "INTRA_NODE", "INTER_NODE"}  # INTER [0, 1] became [0, 2]
     assert world.plan.master_port == 40001  # a's spare, offered when its session opened
@@ -650,7 +650,7 @@ def test_survivors_keep_their_node_and_local_ranks(rdzv, clock):
     assert f"member {ids[1]} (node 'a', rank 1) expired" in world.reason
     assert pushed(actions, sinks[ids[1]]) == [Gone(f"member {ids[1]} expired")]
     assert {m: ranks(rdzv)[m] for m in (ids[0], ids[2], ids[3])} == {ids[0]: 0, ids[2]: 1, ids[3]: 2}
-    placed = [world.seat_of(m).placement for m in (ids[0], ids[2], ids[3])]
+    placed = [world.seat_of(m).seat for m in (ids[0], ids[2], ids[3])]
     assert [(p.node_rank, p.local_rank) for p in placed] == [(0, 0), (1, 0), (1, 1)]
 
 
@@ -659,7 +659,7 @@ def test_only_groups_that_changed_are_marked(rdzv):
     ids = [join(rdzv, params(spec, n))[0] for n in ("a", "a", "b", "b")]
     sessions(rdzv, ids)
     (world,) = worlds(rdzv.leave("job", ids[3]))  # rank 3: node b, local rank 1; survivors alone: no last call
-    assert [world.seat_of(m).placement.rank for m in ids[:3]] == [0, 1, 2]  # nobody moves
+    assert [world.seat_of(m).seat.rank for m in ids[:3]] == [0, 1, 2]  # nobody moves
     assert set(world.seat_of(ids[0]).changed_groups) == {"GLOBAL"}  # INTRA [0, 1] and INTER [0, 2] stand
     assert set(world.seat_of(ids[1]).changed_groups) == {"GLOBAL", "INTER_NODE"}  # INTER [1, 3] became [1]
     assert set(world.seat_of(ids[2]).changed_groups) == {"GLOBAL", "INTRA_NODE"}
@@ -967,9 +967,9 @@ def test_a_node_membership_is_seated_whole_as_local_ranks_0_to_n(rdzv):
     a, actions = join(rdzv, node(spec, "node-a", 3))
     (world,) = worlds(actions)
     # nodes in key order; each node membership's workers are its node's local ranks 0..2
-    assert [world.seat_of(m).placement[1:] for m in (a, f"{a}/1", f"{a}/2", b, f"{b}/1", f"{b}/2")] == [
+    assert [world.seat_of(m).seat[1:] for m in (a, f"{a}/1", f"{a}/2", b, f"{b}/1", f"{b}/2")] == [
         (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0), (4, 1, 1), (5, 1, 2)]
-    groups = {g.mode: list(g.ranks[0].ranks()) for g in world.plan.groups_of(world.seat_of(f"{b}/2").placement)}
+    groups = {g.mode: list(g.ranks[0].ranks()) for g in world.plan.groups_of(world.seat_of(f"{b}/2").seat)}
     assert groups == {"GLOBAL": [0, 1, 2, 3, 4, 5], "INTRA_NODE": [3, 4, 5], "INTER_NODE": [2, 5],
                       "TENSOR_PARALLEL": [3, 4, 5], "DATA_PARALLEL": [2, 5], "SEQUENCE_PARALLEL": [5], "EXPERT": [5],
                       "PIPELINE_PARALLEL": [5]}
@@ -1018,7 +1018,7 @@ def test_an_elastic_job_of_node_memberships_loses_and_gains_whole_nodes(rdzv, cl
     actions, _ = rdzv.expire_due()
     (event,) = pushed(actions, sink)
     assert isinstance(event, NewWorld) and event.plan.world_size == 2 and event.generation == 3
-    assert event.seat_of(f"{a}/1").placement[1:] == (1, 0, 1)
+    assert event.seat_of(f"{a}/1").seat[1:] == (1, 0, 1)
     assert rdzv.describe("job").joined == 2
     rdzv.renew("job", a, 3, spare_port=30004)
     c, actions = join(rdzv, node(spec, "c", 2))  # a newcomer grows the world by its whole node
@@ -1050,7 +1050,7 @@ def test_a_node_membership_survives_a_restart(rdzv, clock):
     again = Rendezvous(lease_ttl_s=TTL, clock=clock)
     assert again.restore(store.load(), grace_s=5)[0] == 1
     world = again.world_of("job")
-    assert world.seat_of(f"{b}/1").placement[1:] == (3, 1, 1)
+    assert world.seat_of(f"{b}/1").seat[1:] == (3, 1, 1)
     assert again.describe("job").joined == 4
     again.leave("job", b)
     assert again.describe("job").joined == 2
@@ -1069,7 +1069,7 @@ def test_a_launcher_restarting_its_workers_re_forms_the_world_once(rdzv, clock):
     _, actions = rdzv.renew("job", a, 1)
     (event,) = pushed(actions, sink_a)
     assert isinstance(event, NewWorld) and event.generation == 2 and event.reason == "node 'b' restarts its workers"
-    assert event.seat_of(f"{b}/1").placement[1:] == (3, 1, 1)  # same seats, a fresh world
+    assert event.seat_of(f"{b}/1").seat[1:] == (3, 1, 1)  # same seats, a fresh world
     assert not rdzv.restart("job", a, 1)  # a asks for generation 1 too, late: nothing more
     assert rdzv.describe("job").generation == 2
 
@@ -1183,7 +1183,7 @@ def test_a_job_of_nodes_of_different_sizes_forms_with_torchruns_ranks(rdzv):
     b, actions = join(rdzv, node_params(spec, "b", 2))
     (world,) = worlds(actions)
     assert (world.plan.world_size, world.plan.num_nodes) == (3, 2)
-    seats = {w: (p.rank, p.node_rank, p.local_rank) for w in (a, b, f"{b}/1") for p in [world.plan.placement(w)]}
+    seats = {w: (p.rank, p.node_rank, p.local_rank) for w in (a, b, f"{b}/1") for p in [world.plan.seat_of(w)]}
     assert seats == {a: (0, 0, 0), b: (1, 1, 0), f"{b}/1": (2, 1, 1)}  # a node's ranks: its base + its local rank
 
 
@@ -1225,7 +1225,7 @@ def test_a_job_of_nodes_below_its_minimum_waits_for_a_replacement_instead_of_fai
     c, actions = join(rdzv, node_params(spec, "c", 1))  # the replacement, started by its orchestrator
     (world,) = worlds(actions)
     assert world.generation == 2 and sorted(n.node_key for n in world.plan.nodes) == ["a", "c"]
-    assert world.plan.placement(a).rank == 0  # the survivor keeps rank 0
+    assert world.plan.seat_of(a).rank == 0  # the survivor keeps rank 0
     rdzv.leave("run", c)
     assert rdzv.describe("run").state is JobState.ENDED  # a node that leaves (its agent finished) still ends the run
 

@@ -46,7 +46,7 @@ def members(layout: list[tuple[str, int | None, int | None]]) -> list[Candidate]
 
 
 def ranks_by_member(plan) -> dict[str, tuple[int, int, int]]:
-    return {p.member_id: (p.rank, p.node_rank, p.local_rank) for p in plan.placements()}
+    return {p.member_id: (p.rank, p.node_rank, p.local_rank) for p in plan.seats()}
 
 
 def groups(plan, mode: str) -> list[list[int]]:
@@ -162,14 +162,14 @@ def test_properties(spec):
     ms = build(spec)
     plan = plan_world(ms, JobSpec.build(len(ms)))
     w = len(ms)
-    placements = plan.placements()
+    seats = plan.seats()
     # ranks are a permutation of 0..W-1
-    assert sorted(p.rank for p in placements) == list(range(w))
+    assert sorted(p.rank for p in seats) == list(range(w))
     # global rank = sizes of lower nodes + local rank; local ranks contiguous per node
     for node in plan.nodes:
-        locals_ = sorted(p.local_rank for p in placements if p.node_rank == node.node_rank)
+        locals_ = sorted(p.local_rank for p in seats if p.node_rank == node.node_rank)
         assert locals_ == list(range(node.size))
-    for p in placements:
+    for p in seats:
         assert p.rank == sum(n.size for n in plan.nodes[: p.node_rank]) + p.local_rank
     # INTRA groups partition the world; so do INTER groups
     for mode in (INTRA_NODE, INTER_NODE):
@@ -177,9 +177,9 @@ def test_properties(spec):
         assert flat == list(range(w)), mode
     # INTER group i holds exactly the local-rank-i workers
     for i, g in enumerate(groups(plan, INTER_NODE)):
-        assert g == sorted(p.rank for p in placements if p.local_rank == i)
+        assert g == sorted(p.rank for p in seats if p.local_rank == i)
     # every member's groups contain it, in the canonical order
-    for p in placements:
+    for p in seats:
         gs = plan.groups_of(p)
         assert [g.mode for g in gs] == [GLOBAL, INTRA_NODE, INTER_NODE]
         assert all(p.rank in expand(g.ranks) for g in gs)

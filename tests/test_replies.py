@@ -122,7 +122,7 @@ async def test_status_reads_a_job_of_100k_members(server, stub):
 
 def assignment_message(world: NewWorld, seat: SeatInWorld) -> pb.Assignment:
     """A seat's assignment in `world`, built field by field by protobuf: the oracle the codec's one encoder is held to."""
-    plan, p = seat.plan, seat.placement
+    plan, p = seat.plan, seat.seat
     return pb.Assignment(
         job_id=seat.job_id, run=world.run, generation=seat.generation, world_size=plan.world_size, num_nodes=plan.num_nodes,
         master_addr=plan.master_addr, master_port=plan.master_port, dist_url=plan.dist_url, reason=seat.reason,

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commctx.common.modes import LAYOUT_MODES as DIM_MODES
-from commctx.server.errors import Conflict, BadRequest
 from commctx.common.planning import DIMS, Candidate, JobSpec, PlanError, expand, layout_groups, plan_world
+from commctx.server.errors import BadRequest, Conflict
 
 
 def spec(world_size: int, **kw) -> dict:
@@ -79,7 +79,7 @@ def test_layout_properties(sizes, order):
     # groups of two different dimensions through a rank meet in that rank only
     plan = plan_world([Candidate(f"m{i}", "n", "10.0.0.1", 1) for i in range(w)], s)
     reference = {DIM_MODES[d]: reference_groups(sizes, k) for k, d in enumerate(order)}
-    for p in plan.placements():
+    for p in plan.seats():
         mine = {g.mode: set(expand(g.ranks)) for g in plan.groups_of(p)}
         for a, b in itertools.combinations([DIM_MODES[d] for d in DIMS], 2):
             assert mine[a] & mine[b] == {p.rank}
@@ -96,7 +96,7 @@ def test_tensor_parallel_inside_nodes():
     assert g["TENSOR_PARALLEL"] == [[0, 1], [2, 3]] == g["INTRA_NODE"]
     assert g["DATA_PARALLEL"] == [[0, 2], [1, 3]]
     # every worker holds one group of each of the eight modes, in canonical order
-    p = plan.placement("m2")
+    p = plan.seat_of("m2")
     assert [x.mode for x in plan.groups_of(p)] == [
         "GLOBAL", "INTRA_NODE", "INTER_NODE", "TENSOR_PARALLEL", "SEQUENCE_PARALLEL", "EXPERT", "DATA_PARALLEL", "PIPELINE_PARALLEL",
     ]
@@ -132,7 +132,7 @@ def test_rl_roles_weight_transfer_and_named_groups():
     assert g["PAIRS"] == [[1, 4], [5]]
     assert all(x.cpu_twin == (x.mode == "TRAIN_DATA_PARALLEL") for gs in plan.all_groups().values() for x in gs)
     # a rollout worker is in no TRAIN_DATA_PARALLEL group; only listed ranks are in PAIRS
-    modes_of = {p.rank: [x.mode for x in plan.groups_of(p)] for p in plan.placements()}
+    modes_of = {p.rank: [x.mode for x in plan.groups_of(p)] for p in plan.seats()}
     assert modes_of[0] == ["GLOBAL", "INTRA_NODE", "INTER_NODE", "WEIGHT_TRANSFER", "ROLLOUT_NODE"]
     assert modes_of[4] == ["GLOBAL", "INTRA_NODE", "INTER_NODE", "TRAIN_DATA_PARALLEL", "WEIGHT_TRANSFER", "PAIRS"]
 

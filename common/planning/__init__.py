@@ -9,8 +9,8 @@ from .ranks import RankRun, RankSet, compress, expand
 from .spec import JobSpec, NamedGroups, RoleGroup, Rule, WeightTransfer
 from .world import (
     Candidate,
-    NodePlacement,
-    Placement,
+    PlannedNode,
+    Seat,
     SeatedNode,
     Seating,
     WorldPlan,
@@ -28,9 +28,9 @@ __all__ = [
     "JobSpec",
     "Layout",
     "NamedGroups",
-    "NodePlacement",
+    "PlannedNode",
     "PlanError",
-    "Placement",
+    "Seat",
     "PlannedGroup",
     "RankRun",
     "RankSet",

@@ -74,7 +74,9 @@ class Seating:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class NodePlacement:
+class PlannedNode:
+    """One node of a plan: its node rank, the global rank of its local rank 0, its size and address."""
+
     node_key: str
     node_rank: int
     first_rank: int
@@ -82,8 +84,8 @@ class NodePlacement:
     address: str
 
 
-class Placement(NamedTuple):
-    """Where one worker sits in the world."""
+class Seat(NamedTuple):
+    """A seat: where one worker sits in one world (its rank, node rank and local rank)."""
 
     member_id: str
     rank: int
@@ -97,7 +99,7 @@ class WorldPlan:
 
     spec: JobSpec  # at the world's size
     seating: Seating
-    nodes: tuple[NodePlacement, ...]
+    nodes: tuple[PlannedNode, ...]
     ranks: Mapping[str, int]  # member id -> global rank
     global_group: PlannedGroup
     intra_groups: tuple[PlannedGroup, ...]  # by node rank
@@ -130,18 +132,18 @@ class WorldPlan:
         """tcp://master_addr:master_port (IPv6 in brackets)."""
         return f"tcp://{host_port(self.master_addr, self.master_port)}"
 
-    def placement(self, member_id: str) -> Placement | None:
+    def seat_of(self, member_id: str) -> Seat | None:
         """Where `member_id` sits, or None if it is not part of this world."""
         rank = self.ranks.get(member_id)
         if rank is None:
             return None
         node_rank = bisect.bisect_right(self._first_ranks, rank) - 1
-        return Placement(member_id, rank, node_rank, rank - self._first_ranks[node_rank])
+        return Seat(member_id, rank, node_rank, rank - self._first_ranks[node_rank])
 
-    def placements(self) -> list[Placement]:
-        return [self.placement(m) for m in self.ranks]
+    def seats(self) -> list[Seat]:
+        return [self.seat_of(m) for m in self.ranks]
 
-    def groups_of(self, p: Placement) -> tuple[PlannedGroup, ...]:
+    def groups_of(self, p: Seat) -> tuple[PlannedGroup, ...]:
         """The groups of the worker at `p`, in canonical creation order."""
         base = (self.global_group, self.intra_groups[p.node_rank], self.inter_groups[p.local_rank])
         if not self.families:
@@ -259,12 +261,12 @@ def build_plan(seating: Seating, spec: JobSpec) -> WorldPlan:
     world_size = spec.world_size
     if seating.world_size != world_size:
         raise PlanError(f"{seating.world_size} workers are seated but world_size is {world_size}")
-    nodes: list[NodePlacement] = []
+    nodes: list[PlannedNode] = []
     rank_of: dict[str, int] = {}
     first = 0
     for node_rank, n in enumerate(seating.nodes):
         rank_of.update(zip(n.members, range(first, first + len(n.members))))
-        nodes.append(NodePlacement(n.node_key, node_rank, first, len(n.members), n.address))
+        nodes.append(PlannedNode(n.node_key, node_rank, first, len(n.members), n.address))
         first += len(n.members)
     first_ranks = tuple(n.first_rank for n in nodes)
     sizes = [n.size for n in nodes]

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from commctx.common.planning import Candidate, JobSpec, Placement, PlannedGroup, WorldPlan, elide
+from commctx.common.planning import Candidate, JobSpec, PlannedGroup, Seat, WorldPlan, elide
 
 from ..errors import NotFound
 from .deadlines import Deadline
@@ -108,14 +108,14 @@ class SeatInWorld(NamedTuple):
 
     job_id: str
     generation: int
-    placement: Placement
+    seat: Seat
     plan: WorldPlan
     changed_groups: tuple[str, ...] = ()
     previous_rank: int | None = None
     reason: str = ""  # why this generation formed ("" for a job's first world)
     previous_lost: bool = False  # members of the previous world went without a Leave
     worker: int = 0  # a host membership's worker: its index
-    groups: tuple[PlannedGroup, ...] = ()  # its groups in the plan (plan.groups_of(placement)), when known
+    groups: tuple[PlannedGroup, ...] = ()  # its groups in the plan (plan.groups_of(seat)), when known
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,10 +140,10 @@ class NewWorld:
 
     def seat_of(self, member_id: str, worker: int = 0) -> SeatInWorld | None:
         """The seat of `member_id` (a seated worker's id: worker_id), whose host worker index is `worker`."""
-        p = self.plan.placement(member_id)
+        p = self.plan.seat_of(member_id)
         if p is None:
             return None
-        before = self.previous.placement(member_id) if self.previous is not None else None
+        before = self.previous.seat_of(member_id) if self.previous is not None else None
         groups = self.plan.groups_of(p)
         changed = self.changed_groups(groups, before)
         return SeatInWorld(self.job_id, self.generation, p, self.plan, changed, before.rank if before else None,
@@ -153,7 +153,7 @@ class NewWorld:
         """A seated host membership's workers' seats, in its order."""
         return [self.seat_of(worker_id(member_id, i), i) for i in (self.hosts or {}).get(member_id, ())]
 
-    def changed_groups(self, groups: tuple[PlannedGroup, ...], before: Placement | None) -> tuple[str, ...]:
+    def changed_groups(self, groups: tuple[PlannedGroup, ...], before: Seat | None) -> tuple[str, ...]:
         """The modes of `groups` (a worker's in this world) whose members differ
         from those of its groups at `before`, its place in the previous world."""
         if before is None:

@@ -169,7 +169,7 @@ class Views:
             else:
                 held = [(worker_id(mid, i), m.role, i if m.workers > 1 else m.local_rank) for i in range(m.workers)]
             for wid, role, fixed in held:
-                p = plan.placement(wid) if plan is not None else None
+                p = plan.seat_of(wid) if plan is not None else None
                 local = p.local_rank if p is not None else fixed
                 seats.append(WorkerView(wid, local, p.rank if p is not None else None, role, m.lease.value, age))
         for seats in out.values():

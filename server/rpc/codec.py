@@ -114,7 +114,7 @@ class WorldEncoding:
 
     def assignment(self, seat: SeatInWorld) -> bytes:
         """A worker's Assignment, serialized: the parts it shares and its own fields."""
-        p, plan = seat.placement, self.world.plan
+        p, plan = seat.seat, self.world.plan
         own = wire.own_bytes(p.rank, p.local_rank, seat.previous_rank, plan.roles[p.rank] if plan.roles else "", seat.worker)
         return b"".join([self._common, self._node(p.node_rank), self._changed(seat.changed_groups), own,
                          *[self._group(g) for g in seat.groups or plan.groups_of(p)]])
