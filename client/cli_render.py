@@ -20,7 +20,7 @@ def plan_json(plan: WorldPlan) -> dict:
         "ranks": [
             {"rank": p.rank, "node_rank": p.node_rank, "node_key": plan.nodes[p.node_rank].node_key,
              "local_rank": p.local_rank, "role": plan.roles[p.rank] if plan.roles else ""}
-            for p in sorted(plan.seats(), key=lambda p: p.rank)
+            for p in sorted(plan.all_seats(), key=lambda p: p.rank)
         ],
         "groups": {mode: [expand(g.ranks) for g in groups] for mode, groups in plan.all_groups().items()},
         "roots": {mode: [g.root for g in groups] for mode, groups in plan.all_groups().items() if any(g.root is not None for g in groups)},

@@ -98,7 +98,7 @@ def test_a_fixed_world_forms_when_the_last_worker_joins(rdzv):
     (world,) = worlds(actions)
     assert (world.generation, world.plan.world_size, world.reason) == (1, 3, "")
     assert ranks(rdzv) == {"0002": 0, last: 1, first: 2}  # node a before node b; join order within a
-    # the world is written (job record with its seating; rank 0's spare now serves the store) ...
+    # the world is written (job record with its seats; rank 0's spare now serves the store) ...
     job_record = next(w.record for w in actions.writes if isinstance(w, PutJob))
     assert (job_record.state, job_record.generation) == ("formed", 1)
     assert [list(n.members) for n in job_record.world.nodes] == [["0002", last], [first]]

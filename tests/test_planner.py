@@ -46,7 +46,7 @@ def members(layout: list[tuple[str, int | None, int | None]]) -> list[Candidate]
 
 
 def ranks_by_member(plan) -> dict[str, tuple[int, int, int]]:
-    return {p.member_id: (p.rank, p.node_rank, p.local_rank) for p in plan.seats()}
+    return {p.member_id: (p.rank, p.node_rank, p.local_rank) for p in plan.all_seats()}
 
 
 def groups(plan, mode: str) -> list[list[int]]:
@@ -162,7 +162,7 @@ def test_properties(spec):
     ms = build(spec)
     plan = plan_world(ms, JobSpec.build(len(ms)))
     w = len(ms)
-    seats = plan.seats()
+    seats = plan.all_seats()
     # ranks are a permutation of 0..W-1
     assert sorted(p.rank for p in seats) == list(range(w))
     # global rank = sizes of lower nodes + local rank; local ranks contiguous per node
@@ -187,7 +187,7 @@ def test_properties(spec):
     # node order is numeric-aware ascending key order
     keys = [n.node_key for n in plan.nodes]
     assert keys == sorted(keys, key=node_sort_key)
-    # same input -> same output; a stored seating rebuilds the same plan
+    # same input -> same output; stored seats rebuild the same plan
     again = plan_world(list(ms), JobSpec.build(len(ms)))
     assert ranks_by_member(again) == ranks_by_member(plan)
     assert again.all_groups() == plan.all_groups()

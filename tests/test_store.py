@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from commctx.common.planning import JobSpec, SeatedNode, Seating
+from commctx.common.planning import JobSpec, SeatedNode, Seats
 from commctx.server.errors import NotFound
 from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
 from commctx.server.rendezvous.machine import Rendezvous
@@ -105,7 +105,7 @@ SPEC = JobSpec.from_json({
                {"mode": "WT", "weight_transfer": {"sender_role": "t", "receiver_roles": ["r"], "scope": "SCOPE_NODE"}}],
     "cpu_twins": ["PAIRS"], "expected_nodes": ["a", "b"],
 })
-WORLD = Seating((SeatedNode("a", "10.0.0.1", ("m1", "m2")),), ("t", "r"), "10.0.0.1", 5000)
+WORLD = Seats((SeatedNode("a", "10.0.0.1", ("m1", "m2")),), ("t", "r"), "10.0.0.1", 5000)
 
 
 def member(mid: str, seq: int, port: int = 0) -> MemberRecord:
@@ -273,7 +273,7 @@ def test_a_first_release_database_is_migrated(tmp_path):
     machine = Rendezvous(lease_ttl_s=10)
     restored, _ = machine.restore(store.load(), grace_s=10)
     assert restored == 4
-    # The plans the first release had formed, recomputed from the migrated seatings.
+    # The plans the first release had formed, recomputed from the migrated seats.
     rl = machine.world_of("rl")
     assert dict(rl.plan.ranks) == {"0000000000000001": 0, "0000000000000002": 1, "0000000000000003": 2}
     assert rl.plan.roles == ("rollout", "trainer", "rollout") and rl.generation == 1
@@ -574,7 +574,7 @@ def test_etcd_keeps_a_100000_worker_world_in_parts_under_its_request_limit(etcd,
     new leader would), replaced by a small world without leaving parts behind, and deleted with its job."""
     from commctx.server.rendezvous.etcd import WORLD_PART_BYTES
 
-    big = Seating(tuple(SeatedNode(f"host{h:05d}", f"10.{h // 65536}.{h // 256 % 256}.{h % 256}",
+    big = Seats(tuple(SeatedNode(f"host{h:05d}", f"10.{h // 65536}.{h // 256 % 256}.{h % 256}",
                                    tuple(f"{h:032x}/{i}" for i in range(1, 9))) for h in range(12_500)), (), "10.0.0.1", 29500)
     config = EtcdConfig((etcd.endpoint,), prefix=f"/{tmp_path.name}")
     writer = EtcdStore(config)

@@ -79,7 +79,7 @@ def test_layout_properties(sizes, order):
     # groups of two different dimensions through a rank meet in that rank only
     plan = plan_world([Candidate(f"m{i}", "n", "10.0.0.1", 1) for i in range(w)], s)
     reference = {DIM_MODES[d]: reference_groups(sizes, k) for k, d in enumerate(order)}
-    for p in plan.seats():
+    for p in plan.all_seats():
         mine = {g.mode: set(expand(g.ranks)) for g in plan.groups_of(p)}
         for a, b in itertools.combinations([DIM_MODES[d] for d in DIMS], 2):
             assert mine[a] & mine[b] == {p.rank}
@@ -132,7 +132,7 @@ def test_rl_roles_weight_transfer_and_named_groups():
     assert g["PAIRS"] == [[1, 4], [5]]
     assert all(x.cpu_twin == (x.mode == "TRAIN_DATA_PARALLEL") for gs in plan.all_groups().values() for x in gs)
     # a rollout worker is in no TRAIN_DATA_PARALLEL group; only listed ranks are in PAIRS
-    modes_of = {p.rank: [x.mode for x in plan.groups_of(p)] for p in plan.seats()}
+    modes_of = {p.rank: [x.mode for x in plan.groups_of(p)] for p in plan.all_seats()}
     assert modes_of[0] == ["GLOBAL", "INTRA_NODE", "INTER_NODE", "WEIGHT_TRANSFER", "ROLLOUT_NODE"]
     assert modes_of[4] == ["GLOBAL", "INTRA_NODE", "INTER_NODE", "TRAIN_DATA_PARALLEL", "WEIGHT_TRANSFER", "PAIRS"]
 

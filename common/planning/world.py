@@ -1,7 +1,7 @@
 """Planning a world: who sits where (`seat`), then every group (`build_plan`).
 
 Pure: no I/O, no clock. The same input always gives the same output, so a
-stored `Seating` rebuilds exactly the plan it came from.
+stored `Seats` rebuilds exactly the plan it came from.
 
 The rank rule (`seat`):
   * Nodes are the distinct node keys. A node whose workers gave an explicit
@@ -60,8 +60,9 @@ class SeatedNode:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Seating:
-    """Who sits where: everything a plan is built from besides the spec."""
+class Seats:
+    """Who sits where (every node's seated members, the roles, rank 0's
+    address): everything a plan is built from besides the spec."""
 
     nodes: tuple[SeatedNode, ...]  # by node rank
     roles: tuple[str, ...]  # by global rank; empty when no worker has a role
@@ -98,7 +99,7 @@ class WorldPlan:
     """The complete world of one generation."""
 
     spec: JobSpec  # at the world's size
-    seating: Seating
+    seats: Seats
     nodes: tuple[PlannedNode, ...]
     ranks: Mapping[str, int]  # member id -> global rank
     global_group: PlannedGroup
@@ -117,15 +118,15 @@ class WorldPlan:
 
     @property
     def roles(self) -> tuple[str, ...]:
-        return self.seating.roles
+        return self.seats.roles
 
     @property
     def master_addr(self) -> str:
-        return self.seating.master_addr
+        return self.seats.master_addr
 
     @property
     def master_port(self) -> int:
-        return self.seating.master_port
+        return self.seats.master_port
 
     @property
     def dist_url(self) -> str:
@@ -140,7 +141,7 @@ class WorldPlan:
         node_rank = bisect.bisect_right(self._first_ranks, rank) - 1
         return Seat(member_id, rank, node_rank, rank - self._first_ranks[node_rank])
 
-    def seats(self) -> list[Seat]:
+    def all_seats(self) -> list[Seat]:
         return [self.seat_of(m) for m in self.ranks]
 
     def groups_of(self, p: Seat) -> tuple[PlannedGroup, ...]:
@@ -166,7 +167,7 @@ def node_sort_key(node_key: str) -> tuple:
     return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), node_key
 
 
-def seat(candidates: Sequence[Candidate], spec: JobSpec) -> Seating:
+def seat(candidates: Sequence[Candidate], spec: JobSpec) -> Seats:
     """Assigns node ranks and local ranks by the rank rule (module docstring).
 
     Args:
@@ -248,10 +249,10 @@ def seat(candidates: Sequence[Candidate], spec: JobSpec) -> Seating:
             rank0 = seats[0]
         roles += [c.role for c in seats]
         nodes.append(SeatedNode(key, seats[0].address, tuple(c.member_id for c in seats)))
-    return Seating(tuple(nodes), tuple(roles) if any(roles) else (), rank0.address, rank0.port)
+    return Seats(tuple(nodes), tuple(roles) if any(roles) else (), rank0.address, rank0.port)
 
 
-def build_plan(seating: Seating, spec: JobSpec) -> WorldPlan:
+def build_plan(seats: Seats, spec: JobSpec) -> WorldPlan:
     """Builds every group of a seated world.
 
     Raises:
@@ -259,12 +260,12 @@ def build_plan(seating: Seating, spec: JobSpec) -> WorldPlan:
             weight-transfer scope has receivers but no sender.
     """
     world_size = spec.world_size
-    if seating.world_size != world_size:
-        raise PlanError(f"{seating.world_size} workers are seated but world_size is {world_size}")
+    if seats.world_size != world_size:
+        raise PlanError(f"{seats.world_size} workers are seated but world_size is {world_size}")
     nodes: list[PlannedNode] = []
     rank_of: dict[str, int] = {}
     first = 0
-    for node_rank, n in enumerate(seating.nodes):
+    for node_rank, n in enumerate(seats.nodes):
         rank_of.update(zip(n.members, range(first, first + len(n.members))))
         nodes.append(PlannedNode(n.node_key, node_rank, first, len(n.members), n.address))
         first += len(n.members)
@@ -282,7 +283,7 @@ def build_plan(seating: Seating, spec: JobSpec) -> WorldPlan:
     families: list[Family] = []
     if spec.layout is not None or spec.rules:
         keys = [n.node_key for n in nodes]
-        roles = seating.roles or ("",) * world_size
+        roles = seats.roles or ("",) * world_size
         if spec.layout is not None:
             families += layout_families(spec.layout, world_size)
             check_within_node(spec.layout, families, first_ranks, keys, sizes)
@@ -297,7 +298,7 @@ def build_plan(seating: Seating, spec: JobSpec) -> WorldPlan:
         families = [f.with_cpu_twins() if f.mode in twins else f for f in families]
     return WorldPlan(
         spec=spec,
-        seating=seating,
+        seats=seats,
         nodes=tuple(nodes),
         ranks=MappingProxyType(rank_of),
         global_group=global_group,

@@ -53,8 +53,8 @@ from .store import (
     StoreError,
     TrimEvents,
     Write,
-    seating_from_record,
-    seating_record,
+    seats_from_record,
+    seats_record,
 )
 
 MAX_TXN_BYTES = 1 << 20  # etcd refuses requests over --max-request-bytes (1.5 MiB by default)
@@ -134,7 +134,7 @@ WORLD_PART_BYTES = 512 * 1024  # a world's JSON above this is kept in parts: a l
 def job_value(job: JobRecord) -> tuple[bytes, str, list[bytes]]:
     """The job key's value, and a world too big to go in it: its digest and parts
     (the value then names them: "world_parts": [digest, count]); else "" and none."""
-    world = json.dumps(seating_record(job.world), separators=(",", ":")).encode() if job.world is not None else b"null"
+    world = json.dumps(seats_record(job.world), separators=(",", ":")).encode() if job.world is not None else b"null"
     digest, parts = "", []
     if len(world) > WORLD_PART_BYTES:
         digest = hashlib.sha256(world).hexdigest()[:32]
@@ -184,7 +184,7 @@ def records_of(jobs: Sequence[bytes], members: Sequence[bytes], events: Sequence
             digest, count = j["world_parts"]
             j["world"] = json.loads(b"".join((worlds or {})[config.key_of("worlds", j["job_id"], digest, f"{i:06d}")]
                                              for i in range(count)))
-        world = seating_from_record(j["world"]) if j["world"] is not None else None
+        world = seats_from_record(j["world"]) if j["world"] is not None else None
         ms = tuple(sorted(by_job.get(j["job_id"], ()), key=lambda m: m.seq))
         out.append(JobRecord(j["job_id"], JobSpec.from_json(j["spec"]), j["state"], j["generation"], j["reason"],
                              world, ms, j["seal"], j.get("since", 0.0), j.get("retained_until", 0.0),

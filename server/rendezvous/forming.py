@@ -220,7 +220,7 @@ class Forming:
         previous, members = job.plan, job.members
         seats: dict[str, tuple[int, int]] = {}
         if previous is not None:
-            for node_rank, node in enumerate(previous.seating.nodes):
+            for node_rank, node in enumerate(previous.seats.nodes):
                 first = node.members[0]
                 m = members.get(member_of(first))
                 if m is not None and (m.slots or (m.workers > 1 and first in members)):
@@ -234,7 +234,7 @@ class Forming:
     @classmethod
     def _member_order(cls, job: Job, seats: dict[str, tuple[int, int]] | None = None) -> list[str]:
         """Members in the order the next world takes them: survivors first, in
-        their previous rank order (the seating's), then newcomers in join order;
+        their previous rank order (the seats'), then newcomers in join order;
         in a job of nodes, those of callers that hold seats before strangers'."""
         seats = cls._seats(job) if seats is None else seats
         if not seats:
@@ -254,7 +254,7 @@ class Forming:
         workers). Not `made`: the count alone (the list is empty)."""
         members = job.members
         seats = cls._seats(job)
-        nodes = job.plan.seating.nodes if job.plan is not None else ()
+        nodes = job.plan.seats.nodes if job.plan is not None else ()
         candidates: list[Unit] = []
         count = 0
         for mid in cls._member_order(job, seats):
@@ -333,7 +333,7 @@ class Forming:
         if plan.master_port == 0:
             # Rank 0's spare port serves an earlier world's store and it has
             # not offered another yet: await it like a survivor not heard from.
-            job.suspects.add(member_of(plan.seating.nodes[0].members[0]))
+            job.suspects.add(member_of(plan.seats.nodes[0].members[0]))
             self.announce(job, actions)
             return
         now = self._clock()
@@ -348,7 +348,7 @@ class Forming:
         members = job.members
         first_lease = self._lessor.first_lease(now, plan.world_size)
         hosts: dict[str, int] = {}  # host memberships seated: how many of their workers
-        for node in plan.seating.nodes:
+        for node in plan.seats.nodes:
             seated = node.members
             first = members.get(member_of(seated[0]))
             if first is not None and (first.slots or (first.workers > 1 and seated[0] in members)):
@@ -362,7 +362,7 @@ class Forming:
                 if m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
                     self._lessor.grant(job.job_id, mid, m, first_lease)
         job.seat_hosts(hosts, hosts)
-        rank0 = member_of(plan.seating.nodes[0].members[0])
+        rank0 = member_of(plan.seats.nodes[0].members[0])
         members[rank0].port = 0  # it now serves the TCPStore; rank 0 offers a new spare
         actions.writes.append(PutMember(job.job_id, member_record(rank0, members[rank0])))
         formed_in_s, job.forming_since = now - job.forming_since, now  # the record keeps the formed world's start

@@ -46,14 +46,14 @@ def seated(job: Job) -> frozenset[str]:
     """The member ids seated in the job's last world (a host membership's workers by their member's id)."""
     if job.plan is None:
         return frozenset()
-    return frozenset(member_of(wid) for node in job.plan.seating.nodes for wid in node.members)
+    return frozenset(member_of(wid) for node in job.plan.seats.nodes for wid in node.members)
 
 
 def ended_view(job: Job, ended_at: float) -> JobView:
     """A run whose last member is gone, as it is kept: its last world's nodes and workers took part."""
-    seating = job.plan.seating if job.plan is not None else None
+    seats = job.plan.seats if job.plan is not None else None
     nodes = tuple(NodeView(n.node_key, n.address, len(n.members), rank, (), (n.address,))
-                  for rank, n in enumerate(seating.nodes)) if seating is not None else ()
+                  for rank, n in enumerate(seats.nodes)) if seats is not None else ()
     state, reason = job.state, job.reason
     if not state.over:  # its members withdrew or left without a verdict (nothing formed, or the job of nodes ran out)
         state, reason = JobState.ENDED, reason or "its members left"
@@ -84,7 +84,7 @@ class History:
         """The job as the store keeps it (`retained_until`: an ended run's end, on the wall clock)."""
         since = self._wall() - (self._clock() - job.forming_since)
         return JobRecord(job.job_id, job.spec, job.state.value, job.generation, job.reason,
-                         job.plan.seating if job.plan is not None else None, (), job.seal, since, retained_until, (),
+                         job.plan.seats if job.plan is not None else None, (), job.seal, since, retained_until, (),
                          job.run, job.started)
 
     def find(self, job_id: str) -> Job:

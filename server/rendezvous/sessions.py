@@ -20,7 +20,7 @@ def serves_store(job: Job, member_id: str, port: int) -> bool:
     spare, spent when it became rank 0): offered again (a session opening with
     the port its Join offered, a renewal sent before its new spare), it is no spare."""
     plan = job.plan
-    return plan is not None and plan.master_port == port and member_of(plan.seating.nodes[0].members[0]) == member_id
+    return plan is not None and plan.master_port == port and member_of(plan.seats.nodes[0].members[0]) == member_id
 
 
 class Sessions:

@@ -1,7 +1,7 @@
 """The SQLite store: one file under the state directory, in WAL mode.
 
 Schema version 6 (`PRAGMA user_version`), named columns throughout; specs and
-seatings are JSON objects with named fields (store.py); members keep the
+seats are JSON objects with named fields (store.py); members keep the
 SHA-256 digest of their secret, and a host membership its workers (JSON);
 each job's history is a table of events. Older files are migrated in place
 when opened: version 5 (no host memberships), 4 (no events), 3 (no
@@ -61,8 +61,8 @@ from .store import (
     Write,
     event_fields_json,
     event_of,
-    seating_from_record,
-    seating_record,
+    seats_from_record,
+    seats_record,
     spec_from_json,
     spec_json,
 )
@@ -269,7 +269,7 @@ class SqliteStore(Store):
                     "FROM jobs ORDER BY job_id"):
                 jobs.append(JobRecord(
                     job_id, spec_from_json(spec), state, generation, reason,
-                    seating_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())), seal,
+                    seats_from_record(json.loads(world)) if world else None, tuple(members.get(job_id, ())), seal,
                     since, until, tuple(events.get(job_id, ())), run, started, ended,
                 ))
             return jobs
@@ -317,7 +317,7 @@ def _apply(db: sqlite3.Connection, writes: Sequence[Write]) -> None:
 
 
 def _job_row(job: JobRecord) -> tuple:
-    world = json.dumps(seating_record(job.world), separators=(",", ":")) if job.world is not None else None
+    world = json.dumps(seats_record(job.world), separators=(",", ":")) if job.world is not None else None
     return (job.job_id, job.state, job.generation, job.reason, spec_json(job.spec), world, job.seal, job.since, job.retained_until,
             job.run, job.started, job.ended)
 
@@ -369,7 +369,7 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
 
     Version 1 stored each spec as the wire message's bytes and each world as
     the planner's input (positional tuples); later versions store named fields
-    and the seating itself. Only this migration reads the wire format, so its
+    and the seats themselves. Only this migration reads the wire format, so its
     message is imported here, not at module level.
     """
     from google.protobuf import json_format

@@ -6,7 +6,7 @@ The state machine returns the writes each transition implies (`PutJob`,
 job's history); the executor commits them through a
 `Store`, in order, before anyone hears of what they record. Leases are not
 stored: after a restart every member gets a fresh lease plus a grace period.
-A world is stored as its `Seating` (who sits where); planning is
+A world is stored as its `Seats` (who sits where); planning is
 deterministic, so the groups are rebuilt identically.
 
 Fencing: a server becomes the writer with `take_over()`, which returns a new
@@ -27,7 +27,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from commctx.common.planning import JobSpec, SeatedNode, Seating
+from commctx.common.planning import JobSpec, SeatedNode, Seats
 
 from .model import JobEvent
 
@@ -60,7 +60,7 @@ class JobRecord(NamedTuple):
     state: str  # a JobState value
     generation: int
     reason: str
-    world: Seating | None  # the current world (while re-forming: the one being replaced)
+    world: Seats | None  # the current world (while re-forming: the one being replaced)
     members: tuple[MemberRecord, ...] = ()  # filled by load(), in join order
     seal: str = ""  # SHA-256 digest (hex) of the job secret; "": an open job
     since: float = 0.0  # wall-clock time its current generation began forming (AGE); 0: unknown (schema 3)
@@ -112,7 +112,7 @@ Write = PutJob | PutMember | DeleteMember | DeleteJob | PutEvent | TrimEvents
 def without_superseded(writes: list[Write]) -> list[Write]:
     """`writes` less each PutJob that a later PutJob of the same job replaces
     whole (a re-form puts its job twice: FORMING, then FORMED; at 10,000
-    workers each record holds a 10,000-member seating). Same final state, in
+    workers each record holds 10,000 seats). Same final state, in
     every store."""
     last = {w.record.job_id: i for i, w in enumerate(writes) if type(w) is PutJob}
     if len(last) == sum(type(w) is PutJob for w in writes):
@@ -161,7 +161,7 @@ class MemoryStore(Store):
         pass
 
 
-# -- the stored form of specs and seatings: named fields, the store's own schema ----
+# -- the stored form of specs and seats: named fields, the store's own schema ----
 
 
 @functools.lru_cache(maxsize=1024)  # every PutJob of a job carries the same spec
@@ -184,7 +184,7 @@ def spec_from_json(text: str) -> JobSpec:
     return JobSpec.from_json(json.loads(text))
 
 
-def seating_record(s: Seating) -> dict[str, Any]:
+def seats_record(s: Seats) -> dict[str, Any]:
     return {
         "nodes": [{"node_key": n.node_key, "address": n.address, "members": list(n.members)} for n in s.nodes],
         "roles": list(s.roles),
@@ -193,8 +193,8 @@ def seating_record(s: Seating) -> dict[str, Any]:
     }
 
 
-def seating_from_record(record: dict[str, Any]) -> Seating:
-    return Seating(
+def seats_from_record(record: dict[str, Any]) -> Seats:
+    return Seats(
         tuple(SeatedNode(n["node_key"], n["address"], tuple(n["members"])) for n in record["nodes"]),
         tuple(record["roles"]),
         record["master_addr"],
