@@ -183,7 +183,7 @@ class Session(News):
         return self.assignment
 
     def start(self, response: pb.JoinResponse) -> None:
-        """Placed (`response`, the Join's answer): starts the session stream."""
+        """Seated (`response`, the Join's answer): starts the session stream."""
         self._endpoints.succeeded()
         self._ttl_s = response.lease_ttl_ms / 1000
         self._ttl_known = True

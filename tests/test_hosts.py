@@ -11,7 +11,7 @@ from commctx.server.errors import AlreadyExists, BadRequest, Conflict, Full
 from commctx.server.rendezvous.machine import Rendezvous
 from commctx.server.rendezvous.model import DISCONNECTED, JobState
 from commctx.server.rendezvous.params import JoinParams, Slot
-from commctx.server.rendezvous.waiting import Placed
+from commctx.server.rendezvous.waiting import JoinAnswer
 from commctx.server.rpc import codec
 from commctx.v1 import rendezvous_pb2 as pb
 
@@ -78,7 +78,7 @@ def test_the_wire_carries_every_host_workers_assignment_with_its_index(rdzv):
     assert sorted(a.rank for a in event.worker_assignments) == [0, 1]
     assert {a.local_rank for a in event.worker_assignments} == {0, 1}
     joined, _, placed = rdzv.join(host(spec, Slot(1), Slot(2)))  # re-attaching: the formed world at once
-    response = pb.JoinResponse.FromString(b"".join(codec.join_slices(Placed(joined, placed, "cd" * 16), 0)))
+    response = pb.JoinResponse.FromString(b"".join(codec.join_slices(JoinAnswer(joined, placed, "cd" * 16), 0)))
     assert list(response.worker_assignments) == list(event.worker_assignments)
 
 

@@ -19,7 +19,7 @@ import pytest
 from commctx.common.planning import Candidate, JobSpec, plan_world
 from commctx.server.rendezvous.model import Joined, NewWorld, SeatInWorld
 from commctx.server.rendezvous.params import JoinParams
-from commctx.server.rendezvous.waiting import Placed
+from commctx.server.rendezvous.waiting import JoinAnswer
 from commctx.server.rpc import codec
 from commctx.server.rpc.wire import pass_bytes
 from commctx.v1 import rendezvous_pb2 as pb
@@ -168,10 +168,10 @@ def test_every_assignment_on_the_wire_is_the_message_built_field_by_field():
                     assignment=assignment_message(world, seat)), mid
                 if mid == "w/1":
                     continue  # a node membership's second worker: answered in w's Join
-                placed = Placed(Joined("job", mid, 10.0, 1), world, "cd" * 16)
+                join_answer = JoinAnswer(Joined("job", mid, 10.0, 1), world, "cd" * 16)
                 workers = 2 if mid == "w" else 0
-                assert codec.many_workers(placed, workers) == bool(workers)
-                answer = pb.JoinResponse.FromString(b"".join(codec.join_slices(placed, workers, kept)))
+                assert codec.many_workers(join_answer, workers) == bool(workers)
+                answer = pb.JoinResponse.FromString(b"".join(codec.join_slices(join_answer, workers, kept)))
                 expected = pb.JoinResponse(member_id=mid, member_secret="cd" * 16, lease_ttl_ms=10_000,
                                            assignment=assignment_message(world, seat))
                 if workers:
@@ -191,9 +191,9 @@ def test_a_host_memberships_assignments_are_its_workers_in_its_order():
     assert codec.session_sliced(hosted, "w") and not codec.session_sliced(hosted, "m0")
     event = pb.SessionEvent.FromString(codec.session_event(hosted, "w", codec.Worlds()))
     assert event == pb.SessionEvent(assignment=expected[0], worker_assignments=expected)
-    placed = Placed(Joined("job", "w", 10.0, 1), hosted, "cd" * 16)
-    assert codec.many_workers(placed, 0)
-    answer = pb.JoinResponse.FromString(b"".join(codec.join_slices(placed, 0)))
+    join_answer = JoinAnswer(Joined("job", "w", 10.0, 1), hosted, "cd" * 16)
+    assert codec.many_workers(join_answer, 0)
+    answer = pb.JoinResponse.FromString(b"".join(codec.join_slices(join_answer, 0)))
     assert list(answer.worker_assignments) == expected and answer.assignment == expected[0]
 
 

@@ -40,7 +40,7 @@ class Carrier(Protocol):
     async def settled(self) -> None: ...
 
 
-class Placed(NamedTuple):
+class JoinAnswer(NamedTuple):
     """A Join's answer: the membership, the world it sits in, and its secret."""
 
     joined: Joined
@@ -57,7 +57,7 @@ class Joining:
         self._waiters = waiters
 
     async def join(self, params: JoinParams, member_secret: str, caller: Caller, wait_s: float,
-                   call_remaining_s: float | None) -> Placed:
+                   call_remaining_s: float | None) -> JoinAnswer:
         """Joins and waits for the world.
 
         Args:
@@ -87,7 +87,7 @@ class Joining:
         shares.take(WAITING, caller)
         try:
             try:
-                joined, actions, placed = self._machine.join(params, caller)
+                joined, actions, formed = self._machine.join(params, caller)
             except Exception:
                 self._executor.submit(self._machine.take_outbox())  # a refusal the job records
                 raise
@@ -98,13 +98,13 @@ class Joining:
                 margin = min(1.0, max(call_remaining_s * 0.1, min(0.5, call_remaining_s / 2)))
                 timeout = min(timeout, call_remaining_s - margin)
             # Registered before the actions run: the world may form with this very join.
-            waiter = self._waiters.add(params.job_id, joined.member_id, timeout) if placed is None else None
+            waiter = self._waiters.add(params.job_id, joined.member_id, timeout) if formed is None else None
             self._executor.submit(actions)
-            return Placed(joined, await self._wait(params.job_id, joined.member_id, waiter, placed, timeout, caller), secret)
+            return JoinAnswer(joined, await self._wait(params.job_id, joined.member_id, waiter, formed, timeout, caller), secret)
         finally:
             shares.give(WAITING, caller)
 
-    async def _wait(self, job_id: str, member_id: str, waiter: asyncio.Future | None, placed: NewWorld | None,
+    async def _wait(self, job_id: str, member_id: str, waiter: asyncio.Future | None, formed: NewWorld | None,
                     timeout: float, caller: Caller) -> NewWorld:
         live = self._machine.shares.live
         end = (lambda exc: waiter.done() or waiter.set_exception(exc)) if waiter is not None else None
@@ -113,7 +113,7 @@ class Joining:
         try:
             if waiter is None:  # a re-attached member of a formed world: answer once that world is durable
                 await self._executor.settled()
-                return placed
+                return formed
             world = await waiter
         except asyncio.CancelledError:  # the caller went away: withdrawn, nobody to answer
             self._executor.submit(self._stop_waiting(job_id, member_id, waiter))
@@ -123,7 +123,7 @@ class Joining:
         except Exception as exc:
             error = exc
         else:
-            self._stop_waiting(job_id, member_id, waiter)  # placed: nothing to withdraw
+            self._stop_waiting(job_id, member_id, waiter)  # seated: nothing to withdraw
             return world
         finally:
             if end is not None:
@@ -138,7 +138,7 @@ class Joining:
             error = None  # its traceback holds this frame, which would hold it: no cycle for the collector
 
     def _stop_waiting(self, job_id: str, member_id: str, waiter: asyncio.Future | None) -> Actions:
-        """Ends this call's wait; withdraws the member unless it was placed or a
+        """Ends this call's wait; withdraws the member unless it was seated or a
         later Join call for it took over."""
         if waiter is not None:
             self._waiters.discard(job_id, member_id, waiter)
@@ -154,7 +154,7 @@ class Joining:
 
 
 class Waiters:
-    """Join calls waiting to be placed, by job and member, with their deadlines."""
+    """Join calls waiting to be seated, by job and member, with their deadlines."""
 
     def __init__(self) -> None:
         self._by_job: dict[str, dict[str, asyncio.Future[NewWorld]]] = {}

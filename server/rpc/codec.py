@@ -19,7 +19,7 @@ from commctx.v1 import rendezvous_pb2 as pb
 from ..rendezvous.model import Gone, JobEvent, JobState, NewWorld, Reforming, SeatInWorld, SessionEvent, worker_id
 from ..rendezvous.params import JoinParams, Slot
 from ..rendezvous.reports import JobView
-from ..rendezvous.waiting import Placed
+from ..rendezvous.waiting import JoinAnswer
 from . import wire
 
 _STATE = {
@@ -165,20 +165,20 @@ def _encoding(world: NewWorld, worlds: Worlds | None) -> WorldEncoding:
     return WorldEncoding(world) if worlds is None else worlds.encoding(world)
 
 
-def many_workers(placed: Placed, workers: int) -> bool:
+def many_workers(answer: JoinAnswer, workers: int) -> bool:
     """Whether a Join's answer holds its workers' assignments (a node or host
     membership's, `workers` being the request's JoinRequest.workers): the
     servicer then takes join_slices a turn of the event loop each."""
-    return bool(workers) or (placed.world.hosts is not None and placed.joined.member_id in placed.world.hosts)
+    return bool(workers) or (answer.world.hosts is not None and answer.joined.member_id in answer.world.hosts)
 
 
-def join_slices(placed: Placed, workers: int, worlds: Worlds | None = None) -> Iterator[bytes]:
+def join_slices(answer: JoinAnswer, workers: int, worlds: Worlds | None = None) -> Iterator[bytes]:
     """A Join's answer, the JoinResponse, as bytes in slices of ANSWER_SLICE
     workers' assignments: a single worker's, or a node or host membership's
     (`workers`: the request's JoinRequest.workers) each of its workers' too."""
-    member_id, world = placed.joined.member_id, placed.world
-    head = pb.JoinResponse(member_id=member_id, member_secret=placed.member_secret,
-                           lease_ttl_ms=round(placed.joined.lease_ttl_s * 1000)).SerializeToString()
+    member_id, world = answer.joined.member_id, answer.world
+    head = pb.JoinResponse(member_id=member_id, member_secret=answer.member_secret,
+                           lease_ttl_ms=round(answer.joined.lease_ttl_s * 1000)).SerializeToString()
     encoding = _encoding(world, worlds)
     if world.hosts is not None and member_id in world.hosts:
         seats = (world.seat_of(worker_id(member_id, i), i) for i in world.hosts[member_id])

@@ -68,10 +68,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         try:
             params = codec.join_params(request, await self._specs.spec_of(request, self._machine.limits))
             caller = caller_of(context, self._callers)  # its workers count against its share in the machine's join
-            placed = await self._joining.join(params, request.member_secret, caller, request.wait_timeout_ms / 1000,
+            answer = await self._joining.join(params, request.member_secret, caller, request.wait_timeout_ms / 1000,
                                               context.time_remaining())
-            slices = codec.join_slices(placed, request.workers, self._worlds)  # the JoinResponse, encoded
-            return await self._encoded(slices) if codec.many_workers(placed, request.workers) else b"".join(slices)
+            slices = codec.join_slices(answer, request.workers, self._worlds)  # the JoinResponse, encoded
+            return await self._encoded(slices) if codec.many_workers(answer, request.workers) else b"".join(slices)
         except Exception as exc:
             self._fail(context, "Join", exc)
             del exc  # its traceback holds this frame, which would hold it: no cycle
