@@ -153,7 +153,7 @@ class Forming:
         job.announced = True
         change = Reforming(job.generation, job.reason, job.abandoned)
         for mid in job.survivors():
-            sink = job.members[mid].session
+            sink = job.members[mid].sink
             if sink is not None:
                 actions.pushes.append((sink, change))
 
@@ -371,11 +371,11 @@ class Forming:
         if previous is not None:
             change = Reforming(job.generation - 1, reason, job.formed_abandoned)
             for mid, m in members.items():
-                if m.session is not None:
+                if m.sink is not None:
                     if world.seats(mid):
-                        actions.pushes.append((m.session, world))
+                        actions.pushes.append((m.sink, world))
                     elif mid in previous.ranks or mid in previous_hosts:  # a survivor this world has no seat for: it waits
-                        actions.pushes.append((m.session, change))
+                        actions.pushes.append((m.sink, change))
         actions.wakes.append((job.job_id, world))
         actions.notes.append(Note("formed", {"job": job.job_id, "generation": job.generation, "world_size": plan.world_size,
                                              "nodes": plan.num_nodes, "seconds": round(formed_in_s, 3)}))
@@ -394,7 +394,7 @@ class Forming:
                             f"{'failed' if failed else 'closed' if closed else 'finished'}: {reason}", actions, reason=reason)
         actions.writes.append(PutJob(self._history.record(job)))
         gone = Gone(f"job {job.job_id!r} {verb}: {reason}", not failed, closed)
-        actions.pushes.extend((m.session, gone) for m in job.members.values() if m.session is not None)
+        actions.pushes.extend((m.sink, gone) for m in job.members.values() if m.sink is not None)
         stopped = f"job {job.job_id!r} was closed: {reason}" if closed else f"job {job.job_id!r} cannot form: {reason}"
         actions.wakes.append((job.job_id, JobStopped(stopped, closed)))
 

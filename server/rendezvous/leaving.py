@@ -145,8 +145,8 @@ class Leaving:
         self._history.event(job, EventKind.LEFT if why in ("left", "withdrawn") else EventKind.LOST,
                             f"member {member_id} ({where}) {said}", actions, member=member_id, node=member.node_key,
                             rank=rank, why=why)
-        if member.session is not None and why != "left":
-            actions.pushes.append((member.session, Gone(f"member {member_id} {SAID.get(why, why)}")))
+        if member.sink is not None and why != "left":
+            actions.pushes.append((member.sink, Gone(f"member {member_id} {SAID.get(why, why)}")))
         if why != "withdrawn":  # a member waiting in Join learns at once that it is gone
             actions.wakes.append((job.job_id, MemberGone(member_id)))
         if not job.members:  # the run has ended: kept a while (also across a restart), and the id is free

@@ -225,7 +225,7 @@ class Member:
     # Few objects per member: thousands of these outlive the join burst, and
     # each small object pins the allocator page it landed on.
     __slots__ = ("node_key", "address", "port", "local_rank", "node_rank", "role", "seq", "lease", "lease_deadline", "queued",
-                 "generation", "session", "secret", "workers", "slots", "caller", "held")
+                 "generation", "sink", "secret", "workers", "slots", "caller", "held")
 
     def __init__(self, node: Node, p: JoinParams, seq: int) -> None:
         self.node_key = node.key
@@ -239,7 +239,7 @@ class Member:
         self.lease_deadline: Deadline | None = None  # when the lease runs out (None: IN_JOIN, its Join call binds it)
         self.queued: Deadline | None = None  # the deadline of its live entry in the lease heap (later entries are stale)
         self.generation = 0  # the latest generation its session said it holds
-        self.session: Any = None  # the open session's sink (the executor puts events in it)
+        self.sink: Any = None  # the queue of its open Session stream: the executor puts its events in it
         self.secret = p.secret  # digest of its secret ("": none)
         self.workers = p.workers  # >1: a node membership, seated as local ranks 0..workers-1 (worker_id)
         self.slots = p.slots  # a host membership's workers, each seated as "<member id>/<index>"; () otherwise

@@ -58,7 +58,7 @@ class Sessions:
         if generation < member.generation:
             raise Stale(f"member {member_id} of job {job_id!r} holds generation {member.generation}; a session "
                         f"naming generation {generation} cannot take over its membership")
-        older = member.session  # renew() below takes a DETACHED member back
+        older = member.sink  # renew() below takes a DETACHED member back
         missed: list[SessionEvent] = []
         if job.state.over:  # a session opened after its job stopped: told at once, as the others were
             verb = {JobState.FAILED: "cannot continue", JobState.ENDED: "finished", JobState.CLOSED: "was closed"}[job.state]
@@ -69,7 +69,7 @@ class Sessions:
                 missed.append(job.world(job.previous_plan))
             elif job.state is JobState.FORMING and job.announced:
                 missed.append(Reforming(job.generation, job.reason, job.abandoned))
-        member.session = sink
+        member.sink = sink
         _, actions = self.renew(job_id, member_id, generation, spare_port)
         if older is not None and older is not sink:
             actions.pushes.append((older, Replaced(f"member {member_id} of job {job_id!r} opened a newer session")))
@@ -92,9 +92,9 @@ class Sessions:
         actions = Actions()
         job = self._jobs.live.get(job_id)
         member = job.members.get(member_id) if job is not None else None
-        if member is None or member.session is not sink:
+        if member is None or member.sink is not sink:
             return actions
-        member.session = None
+        member.sink = None
         if (departed and member.lease in (Lease.FIRST, Lease.RENEWING) and job.failed == job.generation
                 and job.in_world(member_id) and len(member.slots) <= 1):  # a host's other workers may take its session over
             self._leaving.remove(job, member_id, BROKE_OFF, actions)
