@@ -24,7 +24,7 @@ anew within the server's reconnect grace (every worker knows the membership's
 id, secret and workers), the others reconnect, and the dead process's workers
 are reported gone. Nobody else in the job notices beyond the workers that died.
 
-Before the membership is placed, a worker joining or leaving changes the Join:
+Before the membership is seated, a worker joining or leaving changes the Join:
 a newcomer is listed in a Join re-attaching to the membership (which takes over
 from the call before); a leaver makes the hub withdraw the membership and join
 anew with the others.
@@ -84,7 +84,7 @@ class HostLink(News):
     # -- joining -------------------------------------------------------------------------
 
     def join(self, timeout_s: float, progress_s: float = DEFAULT_EVERY_S) -> None:
-        """Reaches the host's hub (becoming it, if nobody is) and waits to be placed.
+        """Reaches the host's hub (becoming it, if nobody is) and waits to be seated.
 
         Raises:
             RendezvousError: the server, or the hub on its behalf, refused it, or no world within `timeout_s`.
@@ -96,12 +96,12 @@ class HostLink(News):
         # is silent (Session._join's slack): this worker waits for that answer, and says so itself only if none comes.
         slack_s = min(5.0, 0.5 + timeout_s * 0.05) + 1.0
         try:
-            placed = self.next_assignment_or_refusal(max(0.0, deadline + slack_s - time.monotonic()))
+            seated = self.next_assignment_or_refusal(max(0.0, deadline + slack_s - time.monotonic()))
         except KeyboardInterrupt:  # Ctrl-C in the wait: the hub withdraws this worker; no threading frames shown
             self.close(leave=False)
             raise KeyboardInterrupt(f"while joining job {self._job_id!r} at {self.server_addr}: "
                                     f"the join was withdrawn") from None
-        if placed is None:
+        if seated is None:
             self.close(leave=True)
             raise RendezvousTimeout("DEADLINE_EXCEEDED", f"the host's membership was not placed within {timeout_s:g} s")
 

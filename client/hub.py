@@ -92,7 +92,7 @@ class Hub:
         self._joined: tuple[int, ...] = ()  # the workers the membership holds on the server
         self._closed = False
         self._over = False  # the server ended the membership
-        self._started = False  # the stream runs (the membership was placed once)
+        self._started = False  # the stream runs (the membership was seated once)
         self._next_index = 1
         self._generation = 0
         self._expected: set[int] = set()  # after a takeover: workers still to reconnect
@@ -208,7 +208,7 @@ class Hub:
                 else:  # the membership's last worker: it leaves whole
                     self._close(leave=why == "left")
             elif peer.index in self._joined or (not self._peers and not self._started):
-                self._restart_join()  # not placed yet: join anew without it
+                self._restart_join()  # not seated yet: join anew without it
 
     def _share_state(self) -> None:
         """Every worker knows what a takeover needs."""
@@ -243,7 +243,7 @@ class Hub:
                          daemon=True).start()
 
     def _restart_join(self) -> None:
-        """(Under the mutex.) Before the membership is placed: withdraws it and joins anew with the workers left."""
+        """(Under the mutex.) Before the membership is seated: withdraws it and joins anew with the workers left."""
         old = self._stream
         self._stream = HostStream(self, self.job)
         self._joined = ()

@@ -75,7 +75,7 @@ class Membership:
              progress_s: float = DEFAULT_EVERY_S, abort_on_change: bool = True, share_host: bool = False,
              tls: Tls | None = None, token: str | None = None) -> Membership:
         """Joins with `request` (job, spec, node and rank fields) and blocks until
-        placed in a world. The address and spare port are filled in here. With
+        seated in a world. The address and spare port are filled in here. With
         `share_host`, the workers of this job and node key on this machine share
         one membership (host.py): this worker joins it through its host's hub.
 

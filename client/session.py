@@ -145,7 +145,7 @@ class Session(News):
 
     def join(self, request: pb.JoinRequest, timeout_s: float, progress_s: float = DEFAULT_EVERY_S,
              progress_line: Callable[[str, pb.JobDescription], str] = describe_wait) -> Assignment:
-        """Joins and blocks until placed in a world, then starts the session.
+        """Joins and blocks until seated in a world, then starts the session.
 
         `request.master_port` is the worker's first spare port. While it waits,
         every `progress_s` seconds (0: never) it says who it waits for
@@ -402,7 +402,7 @@ class Session(News):
         # Leave before the stream ends: a session ended without a Leave is a
         # crash to the server (the member goes after its reconnect grace, and
         # the job may fail); one that left first is a departure.
-        if leave and self._thread is not None:  # placed (or a host's session, taken over)
+        if leave and self._thread is not None:  # seated (or a host's session, taken over)
             try:  # to the leader, following a hint if the leader moved
                 LeaderStub(self._endpoints).Leave(
                     pb.LeaveRequest(job_id=self._job_id, member_id=self.member_id, member_secret=self._secret,

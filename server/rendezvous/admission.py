@@ -56,7 +56,7 @@ def count_in(job: Job, node: Node, member_id: str, slots: tuple[Slot, ...], role
 
 class Admission:
     """Joining, re-attaching, the checks a Join passes, and withdrawing a Join
-    that ended unplaced. Its state: the machine's jobs (shared), the limits and
+    that ended unseated. Its state: the machine's jobs (shared), the limits and
     callers' shares a Join is held to, the wrong-secret counts, how member ids
     are made, and the outbox: what a refused Join still implies (its event),
     which the executor takes with the next actions (`take_outbox`)."""
@@ -78,11 +78,11 @@ class Admission:
         self.outbox = Actions()
 
     def join(self, p: JoinParams, caller: Caller = SERVER) -> tuple[Joined, Actions, NewWorld | None]:
-        """Registers a worker, or re-attaches one that joined before with the
+        """Registers a member, or re-attaches one that joined before with the
         same member id; forms the world when the spec allows.
 
         Returns:
-            The membership, the actions, and the world the worker already sits
+            The membership, the actions, and the world the member already sits
             in (a re-attached member of a formed world), else None.
 
         Raises:
@@ -123,7 +123,7 @@ class Admission:
         if job is None and len(self._jobs.live) >= self._limits.max_jobs:
             raise LimitExceeded(f"this server holds its maximum of {self._limits.max_jobs} jobs (--max-jobs); "
                                 f"job {p.job_id!r} cannot be created now")
-        self._shares.take(WORKERS, caller, p.workers)  # the workers a caller holds, waiting or placed (--max-workers-per-caller)
+        self._shares.take(WORKERS, caller, p.workers)  # the workers a caller holds, waiting or seated (--max-workers-per-caller)
         if job is None:
             try:
                 for role, _ in p.roles():
@@ -152,7 +152,7 @@ class Admission:
         self._history.event(job, EventKind.JOINED, f"{what}{f' (role {p.role!r})' if p.role else ''} joined; {job.count()}",
                             actions, member=member_id, node=p.node_key, role=p.role, workers=p.workers)
         if job.state is JobState.FORMED:
-            waiting = job.workers - job.placed
+            waiting = job.workers - job.seated_workers
             if (job.workers == len(job.members) and not job.spec.nodes) or self._forming.grows(job):
                 self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
         else:
@@ -254,7 +254,7 @@ class Admission:
                                                    f"{member.node_key!r} joined; {job.count()}", actions,
                             member=member_id, node=member.node_key, workers=len(newcomers))
         if job.state is JobState.FORMED and self._forming.grows(job):
-            waiting = job.workers - job.placed
+            waiting = job.workers - job.seated_workers
             self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
         elif job.state is JobState.FORMING:
             self._forming.maybe_form(job, actions)
@@ -358,8 +358,8 @@ class Admission:
             )
 
     def withdraw(self, job_id: str, member_id: str) -> Actions:
-        """The member's Join call ended. Unless it was placed in a world, this
-        removes it; placed, its lease governs."""
+        """The member's Join call ended. Unless it was seated in a world, this
+        removes it; seated, its lease governs."""
         actions = Actions()
         job = self._jobs.live.get(job_id)
         member = job.members.get(member_id) if job is not None else None

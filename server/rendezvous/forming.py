@@ -171,7 +171,7 @@ class Forming:
             return None
         # The last call collects arrivals; survivors re-forming without
         # newcomers have nobody to wait for.
-        elif n > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
+        elif n > job.seated_workers and self._clock() < job.last_arrival + spec.last_call_s:
             return None
         else:
             n = spec.largest_world(n)
@@ -188,7 +188,7 @@ class Forming:
         spec, n = job.spec, job.units
         if n < spec.min_world:
             return None
-        if n < spec.world_size and job.workers > job.placed and self._clock() < job.last_arrival + spec.last_call_s:
+        if n < spec.world_size and job.workers > job.seated_workers and self._clock() < job.last_arrival + spec.last_call_s:
             return None  # the last call collects arrivals; survivors re-forming alone have nobody to wait for
         sizes = [job.members[mid].workers for mid in self._member_order(job)][:spec.world_size]
         while len(sizes) >= spec.min_world:
@@ -208,7 +208,7 @@ class Forming:
         if job.spec.nodes:
             return job.plan.num_nodes < job.spec.world_size and job.units > job.plan.num_nodes
         size = job.spec.largest_world(min(job.workers, job.spec.world_size))
-        return size is not None and self._candidates(job, size, made=False)[1] > job.placed
+        return size is not None and self._candidates(job, size, made=False)[1] > job.seated_workers
 
     @staticmethod
     def _seats(job: Job) -> dict[str, tuple[int, int]]:
@@ -344,7 +344,7 @@ class Forming:
         job.previous_plan, job.plan = previous, plan
         job.reason, job.suspects, job.announced = reason, set(), False
         job.formed_abandoned, job.abandoned = job.abandoned, False
-        job.placed = plan.world_size
+        job.seated_workers = plan.world_size
         members = job.members
         first_lease = self._lessor.first_lease(now, plan.world_size)
         hosts: dict[str, int] = {}  # host memberships seated: how many of their workers
@@ -359,7 +359,7 @@ class Forming:
                 mid, m = member_of(wid), members.get(member_of(wid))
                 if m is None:
                     continue
-                if m.lease is Lease.IN_JOIN:  # newly placed: its first lease starts now
+                if m.lease is Lease.IN_JOIN:  # newly seated: its first lease starts now
                     self._lessor.grant(job.job_id, mid, m, first_lease)
         job.seat_hosts(hosts, hosts)
         rank0 = member_of(plan.seats.nodes[0].members[0])

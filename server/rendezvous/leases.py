@@ -26,7 +26,7 @@ class Lessor:
     its entries by ids and never holds a member itself.
     """
 
-    # A newly placed member's first lease also covers the time the server takes
+    # A newly seated member's first lease also covers the time the server takes
     # to open the sessions of its whole world (about a millisecond each in
     # grpc.aio, benchmarks/reform_scale.py): a worker must not lose its seat to
     # the server's own backlog.
@@ -60,7 +60,7 @@ class Lessor:
         return now + self.ttl_s + world_size * self.SESSION_OPEN_S
 
     def grant(self, job_id: str, member_id: str, member: Member, deadline: Deadline) -> None:
-        """A first lease (FIRST), until `deadline`: a member placed, or restored."""
+        """A first lease (FIRST), until `deadline`: a member seated, or restored."""
         member.lease, member.lease_deadline = Lease.FIRST, deadline
         self._queue(job_id, member_id, member, deadline)
 

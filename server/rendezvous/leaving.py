@@ -74,7 +74,7 @@ class Leaving:
             job.role_counts[s.role] -= 1
         node.workers -= len(gone)
         job.workers -= len(gone)
-        job.placed -= len(seated)
+        job.seated_workers -= len(seated)
         job.version += 1
         actions.writes.append(PutMember(job_id, member_record(member_id, member)))
         said = {"left": "left", "expired": "expired: its process went silent for a lease"}.get(
@@ -120,7 +120,7 @@ class Leaving:
             self._shares.give(WORKERS, Caller(member.caller, ""), member.held)
         job.version += 1
         in_world = job.in_world(member_id, member)
-        job.placed -= job.seated(member_id, member)
+        job.seated_workers -= job.seated(member_id, member)
         job.workers -= member.workers
         job.suspects.discard(member_id)
         node = job.nodes[member.node_key]

@@ -5,7 +5,7 @@ carries them out in that order; no transition awaits or does I/O.
 
 A job's life, generation by generation:
 
-  FORMING (g)  workers join; the world forms as generation g+1 when the spec
+  FORMING (g)  members join; the world forms as generation g+1 when the spec
                allows it: world_size workers (the maximum) are present, or, for
                an elastic job, at least min_size are and nobody new arrived for
                the last-call window; and no survivor of generation g is awaited.
@@ -23,7 +23,7 @@ port the server knows of (offered at Join; rank 0, whose spare becomes the
 TCPStore's port, offers a new one on its session), so the next world needs
 nothing from its survivors but to be alive. A survivor whose lease was renewed
 within the last half TTL is alive (clients renew every third); the others are
-awaited until they renew or expire. When a host dies, its workers' leases run
+awaited until they renew or expire. When a host dies, its members' leases run
 out one by one; the first expiry finds the others already stale, so the next
 world forms without them rather than seating the dead. With nobody awaited
 the world forms at once and each survivor gets one message, its new
@@ -31,8 +31,8 @@ assignment; otherwise survivors are told at once (Reforming) and get the
 assignment when it forms. Survivors keep their node and local ranks where the
 new shape allows (the rank rule in planning/world.py).
 
-A worker is bound to its Join call until it is placed in a world (ending the
-call withdraws it); placed, it holds a lease that its session renews. Expiry
+A member is bound to its Join call until it is seated in a world (ending the
+call withdraws it); seated, it holds a lease that its session renews. Expiry
 and leaving are the same transition. A job disappears when its last member
 goes. Leases, last calls and kept failed jobs wait in deadline heaps; the
 reaper pops only what is due.
@@ -153,11 +153,11 @@ class Rendezvous:
     # -- joining (admission.py) -------------------------------------------------------------
 
     def join(self, p: JoinParams, caller: Caller = SERVER) -> tuple[Joined, Actions, NewWorld | None]:
-        """Admission.join: registers (or re-attaches) a worker; forms the world when the spec allows."""
+        """Admission.join: registers (or re-attaches) a member; forms the world when the spec allows."""
         return self._admission.join(p, caller)
 
     def withdraw(self, job_id: str, member_id: str) -> Actions:
-        """The member's Join call ended: removed unless it was placed (Admission.withdraw)."""
+        """The member's Join call ended: removed unless it was seated (Admission.withdraw)."""
         return self._admission.withdraw(job_id, member_id)
 
     @property

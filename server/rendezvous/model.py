@@ -36,7 +36,7 @@ class Limits:
     # Workers one job holds (its world, standbys and joiners waiting): 2**17, a 100,000-GPU world and room to
     # grow or stand by; an unbounded world would hold the event loop for as long as it takes to plan.
     max_world_size: int = 131_072
-    max_workers_per_caller: int = 131_072  # workers one caller holds, waiting or placed: one largest world at once
+    max_workers_per_caller: int = 131_072  # workers one caller holds, waiting or seated: one largest world at once
 
 
 class JobState(enum.Enum):
@@ -56,8 +56,8 @@ class Lease(enum.Enum):
     """Where a member's lease stands, as etcd's lessor names its states."""
 
     IN_JOIN = "in join"  # bound to its Join call: ending the call withdraws it; no deadline
-    FIRST = "first"  # placed, not renewed since: a first lease, stretched while its world's sessions open
-    RENEWING = "renewing"  # renewed since placed: its deadline is its last renewal + TTL
+    FIRST = "first"  # seated, not renewed since: a first lease, stretched while its world's sessions open
+    RENEWING = "renewing"  # renewed since seated: its deadline is its last renewal + TTL
     DETACHED = "detached"  # its session ended without a Leave: gone at the grace's end unless a new session reattaches
 
 
@@ -77,7 +77,7 @@ class EventKind(str, enum.Enum):
     FORMED = "formed"  # a generation formed: its size, nodes and how long it took
     REFORMING = "reforming"  # the formed world is being replaced, and why
     LOST = "lost"  # a member expired, or its session closed without a Leave
-    LEFT = "left"  # a member left (or withdrew its Join before it was placed)
+    LEFT = "left"  # a member left (or withdrew its Join before it was seated)
     FAILED = "failed"  # the job cannot form or go on
     ENDED = "ended"  # members left and too few remain: the job finished
 
@@ -279,7 +279,7 @@ class Member:
 def worker_id(member_id: str, index: int) -> str:
     """The id under which a worker is seated: for a node membership's worker of
     local rank `index`, the member id itself for 0 (so the membership's
-    placement is its first worker's) and "<member id>/<index>" for the others;
+    seat is its first worker's) and "<member id>/<index>" for the others;
     for a host membership's worker `index` (from 1), "<member id>/<index>".
     Never a member id but for a node membership's first worker."""
     return member_id if index == 0 else f"{member_id}/{index}"
@@ -308,7 +308,7 @@ class Node:
 class Job:
     __slots__ = (
         "job_id", "spec", "state", "generation", "members", "nodes", "node_ranks", "plan", "previous_plan",
-        "reason", "forming_since", "last_arrival", "loopback", "role_counts", "placed", "suspects", "announced",
+        "reason", "forming_since", "last_arrival", "loopback", "role_counts", "seated_workers", "suspects", "announced",
         "last_call_armed", "version", "planning", "seal", "node_order", "workers", "events", "refused", "creator",
         "failed", "abandoned", "formed_abandoned", "hosts", "run", "started",
     )
@@ -331,7 +331,7 @@ class Job:
         self.last_arrival = now
         self.loopback = loopback
         self.role_counts: dict[str, int] = {}
-        self.placed = 0  # workers that are in `plan`
+        self.seated_workers = 0  # workers that are in `plan`
         self.suspects: set[str] = set()  # re-forming: survivors not heard from lately, awaited before forming
         self.announced = False  # re-forming: survivors were told the world cannot form at once
         self.last_call_armed = False

@@ -64,9 +64,9 @@ class Restoring:
                                mr.member_id, mr.secret, "", mr.workers, tuple(Slot(*s) for s in mr.slots))
                 m = add_member(job, mr.member_id, p, mr.seq)
                 self._jobs.members += 1
-                placed = job.in_world(mr.member_id)
-                job.placed += job.seated(mr.member_id, m)
-                self._lessor.grant(job.job_id, mr.member_id, m, now + (self._lessor.ttl_s if placed else 0) + grace_s)
+                seated = job.in_world(mr.member_id)
+                job.seated_workers += job.seated(mr.member_id, m)
+                self._lessor.grant(job.job_id, mr.member_id, m, now + (self._lessor.ttl_s if seated else 0) + grace_s)
                 self._jobs.seq = max(self._jobs.seq, mr.seq)
             if job.plan is not None:
                 job.seat_hosts(mid for mid, m in job.members.items() if m.slots)

@@ -136,7 +136,7 @@ class Views:
             forming_for_s=self._clock() - job.forming_since,
             num_nodes=len(job.nodes),
             missing_nodes=tuple(k for k in job.spec.expected_nodes if k not in job.nodes),
-            waiting=job.workers - job.placed if formed else 0,
+            waiting=job.workers - job.seated_workers if formed else 0,
             not_ready=len(job.suspects),
             seal=job.seal,
             refused=job.refused.count,
@@ -203,7 +203,7 @@ class Views:
         members = waiting = 0
         for job in self._jobs.live.values():
             members += job.workers  # workers, as `waiting`: a node membership counts its workers
-            waiting += job.workers - job.placed
+            waiting += job.workers - job.seated_workers
         oldest = self._lessor.oldest()
         age = 0.0 if oldest is None else max(0.0, self._clock() - (oldest - self._lessor.ttl_s))
         return Stats(len(self._jobs.live), members, waiting, age)
