@@ -80,9 +80,9 @@ class RendezvousServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """Registers a worker in a job, waits for the world to form and returns the
-        worker's assignment. Ending the call before it returns withdraws the
-        worker. Not formed within the wait timeout: DEADLINE_EXCEEDED, naming how
+        """Registers a member in a job, waits for the world to form and returns the
+        member's assignment. Ending the call before it returns withdraws the
+        member. Not formed within the wait timeout: DEADLINE_EXCEEDED, naming how
         many joined, which nodes are present and how many are missing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
