@@ -19,8 +19,9 @@ MEMBER_ID = re.compile(r"[0-9a-f]{1,64}")
 CLIENT_MEMBER_ID = re.compile(r"[0-9a-f]{16,64}")
 HOST_ID = re.compile(r"[0-9a-f]{8,64}")
 MEMBER_SECRET = re.compile(r"[0-9a-f]{32,128}")
-# Workers of one node membership (its Join answers with each one's assignment): kept at 1,024, above any
-# launcher's processes per node today, its answer ~0.2 MB encoded in slices (codec.join_slices); worlds: --max-world-size.
+# Workers of one node membership (its Join answers with each one's assignment): 1,024, above any launcher's
+# processes per node, so that its answer stays a small message (encoded in slices, codec.join_slices); worlds:
+# --max-world-size.
 MAX_NODE_WORKERS = 1024
 
 
