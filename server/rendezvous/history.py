@@ -147,7 +147,7 @@ class History:
 
     def end_run(self, job: Job, actions: Actions) -> None:
         """The job's last member is gone: its run has ended. Kept unless nothing
-        ever formed and nothing went wrong (every worker withdrew its Join)."""
+        ever formed and nothing went wrong (every member withdrew its Join)."""
         actions.writes.append(DeleteJob(job.job_id))
         actions.events.append((job.job_id, None))  # the live run is gone: its watches end
         if job.generation == 0 and not job.state.over:

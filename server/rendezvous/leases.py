@@ -28,7 +28,7 @@ class Lessor:
 
     # A newly seated member's first lease also covers the time the server takes
     # to open the sessions of its whole world (about a millisecond each in
-    # grpc.aio, benchmarks/reform_scale.py): a worker must not lose its seat to
+    # grpc.aio, benchmarks/reform_scale.py): a member must not lose its seat to
     # the server's own backlog.
     SESSION_OPEN_S = 0.001
 

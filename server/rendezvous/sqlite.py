@@ -27,7 +27,7 @@ write.
 
 synchronous=NORMAL: a commit is durable against the process being killed
 (kill -9), which is what a restart needs; against power loss the last
-commits before the failure may be lost (the workers then re-join).
+commits before the failure may be lost (the members then re-join).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Waiting for a world: the domain's Join, and the Join calls it holds.
 
 `Joining.join` is the one coroutine a Join is (over gRPC, or from a test):
-it registers the worker, waits for its world (bounded by the caller's wait,
---max-join-wait-s and the call's own deadline) and returns where the worker
+it registers the member, waits for its world (bounded by the caller's wait,
+--max-join-wait-s and the call's own deadline) and returns where the member
 sits, or raises why not; a wait that ends without a seat withdraws the
-worker, once the withdrawal is durable. It mints the member's secret when the
+member, once the withdrawal is durable. It mints the member's secret when the
 caller brought none, counts the caller's Joins waiting against its share, and
 ends the wait at once if the caller's token is revoked.
 
