@@ -805,8 +805,8 @@ def test_restart_restores_worlds_and_forming_jobs(clock):
     # the forming worker retries its Join with the same id (within the grace) ...
     joined, _, placed = second.join(params(JobSpec.build(2), "x", job="forming", port=6001, member_id=forming))
     assert joined.member_id == forming and placed is None
-    clock.now += 15
-    assert not second.expire_due()[0]  # members of worlds: TTL + grace after the restart; the re-attached one: its call
+    clock.now += TTL - 1
+    assert not second.expire_due()[0]  # members of worlds: one TTL after the restart; the re-attached one: its call
     for m in formed:
         assert second.renew("formed", m, 1)[0] == 1
     # ... and a second worker completes its world

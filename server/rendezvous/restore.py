@@ -40,9 +40,13 @@ class Restoring:
     def restore(self, records: Iterable[JobRecord], grace_s: float) -> tuple[int, Actions]:
         """Loads the jobs a store held after a restart.
 
-        Leases restart with `grace_s` to spare; forming members must re-attach
-        (retry their Join) within it. Survivors of a world that was re-forming
-        are awaited until they renew (their sessions reconnect) or expire.
+        Every lease restarts with `grace_s` to spare (one TTL: a live member
+        renews every third of it, and backs off at most that long between
+        tries); forming members must re-attach (retry their Join) within it.
+        Longer would only keep the members that died before the restart
+        seated, and their worlds waiting, for longer. Survivors of a world that
+        was re-forming are awaited until they renew (their sessions reconnect)
+        or expire.
 
         Returns:
             How many jobs were restored, and actions (jobs found empty are deleted).
@@ -64,9 +68,8 @@ class Restoring:
                                mr.member_id, mr.secret, "", mr.workers, tuple(Slot(*s) for s in mr.slots))
                 m = add_member(job, mr.member_id, p, mr.seq)
                 self._jobs.members += 1
-                seated = job.in_world(mr.member_id)
                 job.seated_workers += job.seated(mr.member_id, m)
-                self._lessor.grant(job.job_id, mr.member_id, m, now + (self._lessor.ttl_s if seated else 0) + grace_s)
+                self._lessor.grant(job.job_id, mr.member_id, m, now + grace_s)
                 self._jobs.seq = max(self._jobs.seq, mr.seq)
             if job.plan is not None:
                 job.seat_hosts(mid for mid, m in job.members.items() if m.slots)
