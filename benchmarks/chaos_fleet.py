@@ -113,8 +113,9 @@ class Member:
         self.run_ended = False  # the member held was told its run ended
 
     def until(self) -> float:
+        """When this slot's member leaves; one that stays holds its seat through the probes (main ends it)."""
         leave_at = self.slot.get("leave_at")
-        return min(self.probe_at, leave_at + self.fleet_t0) if leave_at is not None else self.probe_at
+        return min(self.probe_at, leave_at + self.fleet_t0) if leave_at is not None else self.probe_at + 600
 
     async def run(self, t0: float) -> None:
         self.fleet_t0 = t0
@@ -123,17 +124,17 @@ class Member:
             member, secret = await self.join()
             if member is None:
                 return
+            self.held = member
             if await self.hold(member, secret) == "gone":
+                self.held = None
                 # Its lease ran out, or its run ended: a new incarnation, as a restarted worker (one
                 # whose run ended leaves first, as a worker exiting does, so that the job id frees).
                 if self.run_ended:
                     await self.leave(member, secret)
                 await asyncio.sleep(random.uniform(0.5, 1.5))
                 continue
-            if self.slot.get("leave_at") is not None and time.monotonic() < self.probe_at:
-                await self.leave(member, secret)
-            else:
-                self.held = member
+            self.held = None
+            await self.leave(member, secret)
             return
 
     async def join(self) -> tuple[str | None, str]:
@@ -272,13 +273,16 @@ async def main(args: argparse.Namespace) -> None:
     with open(args.out, "w", buffering=1) as out:
         fleet = Fleet(plan["replicas"], args.host, out)
         members = [Member(fleet, slot, ttl_s, probe_at) for slot in plan["slots"] if slot["host"] == args.host]
-        await asyncio.gather(*(m.run(t0) for m in members))
+        lives = [asyncio.ensure_future(m.run(t0)) for m in members]
         await asyncio.sleep(max(0.0, probe_at - time.monotonic()))
-        await asyncio.gather(*(m.probe() for m in members))
+        await asyncio.gather(*(m.probe() for m in members))  # the members held renew meanwhile, as live workers do
         live: dict[str, list[str]] = {}
         for m in members:
             if m.held:
                 live.setdefault(m.job, []).append(m.held)
+        for task in lives:
+            task.cancel()
+        await asyncio.gather(*lives, return_exceptions=True)
         fleet.record(kind="final", live=live)
         await fleet.close()
 

@@ -226,11 +226,12 @@ def leave_final(ops: list[Op]) -> list[Violation]:
 
 
 def join_kept(ops: list[Op], lease_ttl_s: float) -> list[Violation]:
-    """Rule: a member with an answered Join and no answered Leave is found by its last probe, unless a
-    renewal answered NOT_FOUND and its answered Join/KeepAlives, with that renewal's start, were somewhere
-    0.9 lease TTL or more apart (its lease expired: the renewals failed for a lease), or a call answered
-    RUN_ENDED (the run it was in ended: FAILED, ENDED or CLOSED, and every member with it), or it tried
-    to Leave (unanswered, it stops renewing: its lease runs out, as a worker's that exited)."""
+    """Rule: a member with an answered Join and no answered Leave is found by its last probe, unless its
+    lease ran out: the first call that found it gone (a renewal answering NOT_FOUND, else the failed probe)
+    started 0.9 lease TTL or more after the last call before it that renewed it (an answered Join,
+    KeepAlive or probe); or a call answered RUN_ENDED (the run it was in ended: FAILED, ENDED or CLOSED,
+    and every member with it); or it tried to Leave (unanswered, it stops renewing, as a worker that
+    exited)."""
     left, out = left_at(ops), []
     for member, mine in by_member(ops).items():
         joined = next((o for o in mine if o.kind == "join" and o.ok), None)
@@ -238,14 +239,13 @@ def join_kept(ops: list[Op], lease_ttl_s: float) -> list[Violation]:
         if joined is None or not probes or member in left or probes[-1].ok \
                 or any(o.error == "RUN_ENDED" or o.kind == "leave" for o in mine):
             continue
-        gone = next((o for o in mine if o.kind == "keepalive" and o.error == "NOT_FOUND"), None)
-        times = sorted([o.end for o in mine if o.ok and o.kind in ("join", "keepalive")] + ([gone.start] if gone else []))
-        gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
-        expired = gone is not None
-        if not (expired and gap >= lease_ttl_s * 0.9):
+        gone = next((o for o in mine if o.kind == "keepalive" and o.error == "NOT_FOUND"), probes[-1])
+        renewed = [o.end for o in mine if o.ok and o.kind in ("join", "keepalive", "probe") and o.end <= gone.start]
+        quiet = gone.start - max(renewed, default=joined.end)
+        if quiet < lease_ttl_s * 0.9:
             out.append(Violation("join_kept", (joined.id, probes[-1].id), f"{member} of {joined.job} completed its Join "
-                                 f"but the final state lacks it: {probes[-1].error} (longest gap between its renewals "
-                                 f"{gap:.1f} s)"))
+                                 f"but the final state lacks it: {probes[-1].error} (found gone {quiet:.1f} s after "
+                                 f"its last renewal)"))
     return out
 
 
