@@ -58,7 +58,7 @@ def test_a_host_membership_seats_each_worker_under_its_own_id_with_its_own_role(
     seats = seats_of(world)
     assert seats[f"{HOST}/5"] == (0, 0, 0)  # its launcher fixed local rank 0
     assert {wid for wid in seats if wid.startswith(HOST)} == {f"{HOST}/1", f"{HOST}/2", f"{HOST}/5"}
-    assert world.hosts == {HOST: (1, 2, 5)} and world.seats(HOST)  # in the membership's order
+    assert world.hosts == {HOST: (1, 2, 5)} and world.has_seat(HOST)  # in the membership's order
     roles = {wid: world.plan.roles[rank] for wid, (rank, _, _) in seats.items()}
     assert [roles[f"{HOST}/{i}"] for i in (1, 2, 5)] == ["trainer", "rollout", "trainer"]
     assert [s.worker for s in world.host_seats(HOST)] == [1, 2, 5]

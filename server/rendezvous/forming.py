@@ -372,7 +372,7 @@ class Forming:
             change = Reforming(job.generation - 1, reason, job.formed_abandoned)
             for mid, m in members.items():
                 if m.sink is not None:
-                    if world.seats(mid):
+                    if world.has_seat(mid):
                         actions.pushes.append((m.sink, world))
                     elif mid in previous.ranks or mid in previous_hosts:  # a survivor this world has no seat for: it waits
                         actions.pushes.append((m.sink, change))

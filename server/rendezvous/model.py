@@ -134,7 +134,7 @@ class NewWorld:
     hosts: Mapping[str, tuple[int, ...]] | None = None  # seated host memberships' worker indexes (None: none)
     run: int = 1  # the run of the job it belongs to: (job_id, run, generation) names one world
 
-    def seats(self, member_id: str) -> bool:
+    def has_seat(self, member_id: str) -> bool:
         """Whether the member sits in this world (whole: members are seated whole or not at all)."""
         return member_id in self.plan.ranks or (self.hosts is not None and member_id in self.hosts)
 

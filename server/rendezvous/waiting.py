@@ -208,7 +208,7 @@ class Waiters:
             return [f for f in (waiting.get(outcome.member_id),) if f is not None]
         if isinstance(outcome, JobStopped):
             return list(waiting.values())
-        return [f for mid, f in waiting.items() if outcome.seats(mid)]
+        return [f for mid, f in waiting.items() if outcome.has_seat(mid)]
 
     def refuse(self, job_id: str, outcome: WaitOutcome, exc: Exception) -> None:
         """Ends with `exc` the waits `outcome` would have ended."""
