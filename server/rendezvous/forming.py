@@ -48,12 +48,12 @@ class NodeWorkers(NamedTuple):
     node_rank: int | None
     role: str
     workers: int
-    seat: int | None  # its node rank in the world being replaced
+    prev_node_rank: int | None  # its node rank in the world being replaced
 
     def candidates(self) -> list[Candidate]:
         """Its workers, local ranks 0..workers-1 (model.Member.candidates)."""
         return [Candidate(worker_id(self.member_id, i), self.node_key, self.address, self.port, i, self.node_rank, self.role,
-                          self.seat) for i in range(self.workers)]
+                          self.prev_node_rank) for i in range(self.workers)]
 
 
 class HostWorkers(NamedTuple):
@@ -65,7 +65,7 @@ class HostWorkers(NamedTuple):
     port: int
     node_rank: int | None
     slots: tuple[Slot, ...]
-    seat: int | None  # its node rank in the world being replaced
+    prev_node_rank: int | None  # its node rank in the world being replaced
     before: tuple[str, ...]  # the ids seated on that node then, by local rank (() if none)
 
     def candidates(self) -> list[Candidate]:
@@ -76,7 +76,7 @@ class HostWorkers(NamedTuple):
             wid = worker_id(self.member_id, s.index)
             local = where.get(wid)
             out.append(Candidate(wid, self.node_key, self.address, self.port, s.local_rank, self.node_rank, s.role,
-                                 None if local is None else self.seat, local))
+                                 None if local is None else self.prev_node_rank, local))
         return out
 
 
