@@ -120,6 +120,8 @@ class Cluster:
         self.logs: list = []
         self.replica_of = {f"{self.ip[r]}:{PORT}": r for r in REPLICAS}
         self.endpoints = ",".join(f"{self.ip[e]}:{ETCD_CLIENT}" for e in ETCDS)
+        (workdir / "hosts.json").write_text(json.dumps({"namespaces": self.hosts.names, "bridge": self.hosts.bridge,
+                                                           "prefix": self.hosts.prefix}))
         self.netem = subprocess.run(["ip", "netns", "exec", self.ns["c0"], "tc", "qdisc", "add", "dev", "lo", "root", "netem",
                                      "delay", "1ms"], capture_output=True).returncode == 0
 

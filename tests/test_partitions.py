@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
+import sys
 import time
 
 import grpc
@@ -28,6 +30,7 @@ from .cluster import netns_available
 from .etcd import etcd_binary
 from .waiting import wait_until
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 WHY_NOT = netns_available() or (None if etcd_binary() else "no etcd binary")
 pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pytest.mark.timeout(120)]
 
@@ -84,3 +87,26 @@ def test_a_leader_whose_etcd_member_lost_its_quorum_stops_answering_within_its_b
             wait_until(answered, 60, "r0 leads again once etcd has its quorum back")
     finally:
         cluster.close()
+
+
+def test_an_interrupted_chaos_run_leaves_nothing_behind(tmp_path: pathlib.Path):
+    """benchmarks/chaos.py stopped by SIGINT mid-run removes its namespaces, bridge and processes."""
+    keep = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seed", "3", "--duration-s", "60",
+                             "--keep", str(keep)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: (keep / "plan.json").exists() or proc.poll() is not None, 90, "the run's workload starts")
+        assert proc.poll() is None, proc.stdout.read()
+        made = json.loads((keep / "hosts.json").read_text())
+        time.sleep(3)  # the scenario: a few faults in, then the interrupt
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "interrupted (SIGINT)" in out, out[-2000:]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [ns for ns in made["namespaces"] if ns in namespaces.split()]
+    assert subprocess.run(["ip", "link", "show", made["bridge"]], capture_output=True).returncode != 0
+    left = subprocess.run(["pgrep", "-f", f"{keep}|{made['prefix']}\\."], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the run still alive: {left}"
