@@ -1322,3 +1322,26 @@ def test_a_seated_members_join_that_ends_before_its_world_gives_its_lease_back(r
     rdzv.renew("job", ids[0], 2)
     actions, _ = rdzv.expire_due()
     assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [ids[1]]  # ... its lease ran again
+
+
+def test_a_member_that_died_before_a_restart_is_gone_one_ttl_after_it(clock):
+    """Found by benchmarks/chaos.py: restored leases ran TTL + grace (two TTLs), so a member that died just
+    before a failover held its world back for longer than a lease. Every restored lease is one TTL."""
+    store = MemoryStore()
+    epoch = store.take_over()
+    first = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    spec = elastic(2, 1, last_call_ms=0)
+    members = []
+    for n in ("a", "b"):
+        m, actions = join(first, params(spec, n, port=7000 + len(members)))
+        commit(store, epoch, actions)
+        members.append(m)
+    alive, dead = members
+    second = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    second.restore(store.load(), grace_s=TTL)
+    clock.now += TTL - 0.01
+    second.renew("job", alive, 1)
+    assert not second.expire_due()[0].notes  # nobody is gone before one TTL
+    clock.now += 0.02
+    actions, _ = second.expire_due()
+    assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [dead]
