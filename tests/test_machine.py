@@ -1345,3 +1345,32 @@ def test_a_member_that_died_before_a_restart_is_gone_one_ttl_after_it(clock):
     clock.now += 0.02
     actions, _ = second.expire_due()
     assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [dead]
+
+
+def test_survivors_restored_mid_re_form_that_re_attach_by_join_are_heard_from(clock):
+    """Found by benchmarks/chaos.py: a job re-forming when its leader failed over is restored with its
+    survivors awaited (not heard from since the change). Survivors whose Joins were cut by the failover
+    re-attach with a Join, not a session: the Join is their word, and its port a spare, so the world
+    forms at once instead of waiting for a renewal that a worker blocked in its Join never sends."""
+    store = MemoryStore()
+    epoch = store.take_over()
+    first = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    spec = elastic(3, 2)
+    ids = []
+    for i in range(3):
+        m, actions = join(first, params(spec, f"n{i}", port=7000 + i, member_id=f"{i + 1:016x}"))
+        commit(store, epoch, actions)
+        ids.append(m)
+    clock.now += 1.0
+    commit(store, epoch, first.expire_due()[0])  # the last call passes: a world of 3
+    assert first.describe("job").state is JobState.FORMED
+    commit(store, epoch, first.leave("job", ids[2]))  # generation 2 awaits rank 0's new spare
+    assert first.describe("job").state is JobState.FORMING
+    second = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    second.restore(store.load(), grace_s=TTL)
+    assert second.describe("job").not_ready == 2  # both survivors awaited
+    _, actions, _ = second.join(params(spec, "n1", port=7101, member_id=ids[1]))
+    assert not worlds(actions) and second.describe("job").not_ready == 1
+    _, actions, _ = second.join(params(spec, "n0", port=7100, member_id=ids[0]))  # rank 0, with a new spare
+    (world,) = worlds(actions)
+    assert world.generation == 2 and set(world.plan.ranks) == set(ids[:2]) and world.plan.master_port == 7100

@@ -16,6 +16,7 @@ from .leases import Lessor
 from .leaving import Leaving
 from .model import EventKind, Job, Jobs, JobState, Joined, Lease, Limits, Member, NewWorld, Node, Note, worker_id
 from .params import JoinParams, Slot, check_world_size
+from .sessions import serves_store
 from .shares import JOBS, SERVER, WORKERS, Caller, Guesses, Shares
 from .store import PutJob, PutMember, member_record
 
@@ -198,20 +199,20 @@ class Admission:
         if newcomers:
             self._admit_workers(job, p.member_id, member, newcomers, actions)
         joined = Joined(job.job_id, p.member_id, self._lessor.ttl_s, job.workers)
-        if job.seated(p.member_id, member) == member.workers:
-            if job.state is JobState.FORMED:
-                return joined, actions, job.world()
-            # Seated in a world being re-formed (a Join retried across a failover, say): its call
-            # holds it until the next world, as it holds a newcomer; withdraw gives the lease back.
-            self._lessor.bind(member)
+        seated = job.seated(p.member_id, member) == member.workers
+        if seated and job.state is JobState.FORMED:
+            return joined, actions, job.world()
+        if not seated and job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
             return joined, actions, None
-        if job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
-            return joined, actions, None
-        self._lessor.bind(member)  # bound to this call again
-        if member.port != p.port:
+        # Bound to this call again: a newcomer, or a member seated in a world being re-formed (a Join retried
+        # across a failover, say), which its call holds until the next world; withdraw gives the lease back.
+        self._lessor.bind(member)
+        if member.port != p.port and not serves_store(job, p.member_id, p.port):
             member.port = p.port
             job.version += 1
             actions.writes.append(PutMember(job.job_id, member_record(p.member_id, member)))
+        if p.member_id in job.suspects and member.port:  # a survivor awaited before the re-form: heard from
+            job.suspects.discard(p.member_id)
         self._forming.maybe_form(job, actions)
         return joined, actions, None
 
