@@ -185,7 +185,7 @@ class Nemesis:
 
     def busy(self) -> set[str]:
         return {a.stopped for a in self.active if a.stopped} | {a.down for a in self.active if a.down} | \
-            {t for a in self.active if a.kind == "netem" for t in a.targets}
+            {a.targets[0] for a in self.active if a.kind in ("netem", "slow_link")}  # one qdisc a link
 
     def inject(self, heal_by: float) -> None:
         """One fault, drawn; it heals 1-10 s later, or at `heal_by` if that comes first."""
