@@ -147,8 +147,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         except Exception as exc:
             self._fail(context, "Session", exc)
             return
-        for event in missed:
-            sink.put_nowait(event)
+        # What it missed is told after everything queued is written: never a world that is not yet durable
+        # (a leader that loses its term before writing it leaves that world unformed).
+        actions.pushes[:0] = [(sink, event) for event in missed]
         self._executor.submit(actions)
         if first.restart_generation:  # asked for before this stream opened (a launcher restarting at once)
             self._restart(job_id, member_id, first.restart_generation, sink)
