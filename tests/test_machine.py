@@ -1374,3 +1374,27 @@ def test_survivors_restored_mid_re_form_that_re_attach_by_join_are_heard_from(cl
     _, actions, _ = second.join(params(spec, "n0", port=7100, member_id=ids[0]))  # rank 0, with a new spare
     (world,) = worlds(actions)
     assert world.generation == 2 and set(world.plan.ranks) == set(ids[:2]) and world.plan.master_port == 7100
+
+
+def test_a_member_re_attaching_to_its_formed_world_is_heard_from(clock):
+    """Found by benchmarks/chaos.py: a member whose Join was cut by a failover re-attached, was answered its
+    world, and was removed milliseconds later: its restored lease ran out as the Join came. The Join is
+    its word: its lease runs a TTL from then."""
+    store = MemoryStore()
+    epoch = store.take_over()
+    first = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    spec = JobSpec.build(2)
+    ids = []
+    for i in range(2):
+        m, actions = join(first, params(spec, f"n{i}", port=7000 + i, member_id=f"{i + 1:016x}"))
+        commit(store, epoch, actions)
+        ids.append(m)
+    second = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    second.restore(store.load(), grace_s=TTL)
+    clock.now += TTL * 0.95
+    second.renew("job", ids[0], 1)
+    _, _, placed = second.join(params(spec, "n1", port=7001, member_id=ids[1]))  # its retried Join, just in time
+    assert placed is not None and placed.generation == 1
+    clock.now += TTL * 0.5
+    second.renew("job", ids[0], 1)
+    assert not second.expire_due()[0].notes  # heard from at its Join: not gone half a TTL later

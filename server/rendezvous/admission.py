@@ -200,7 +200,8 @@ class Admission:
             self._admit_workers(job, p.member_id, member, newcomers, actions)
         joined = Joined(job.job_id, p.member_id, self._lessor.ttl_s, job.workers)
         seated = job.seated(p.member_id, member) == member.workers
-        if seated and job.state is JobState.FORMED:
+        if seated and job.state is JobState.FORMED:  # answered its world; its Join is its word: the lease runs from now
+            self._lessor.renew(job.job_id, p.member_id, member, attach=True)
             return joined, actions, job.world()
         if not seated and job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
             return joined, actions, None
