@@ -70,7 +70,7 @@ class Fleet:
                 hint = leader_hint(err)
                 if self.leader == address:
                     self.leader = hint or self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
-            await asyncio.sleep(min(0.05 * 2 ** attempt, LEASE_TTL_S / 3) * random.uniform(0.5, 1))
+            await asyncio.sleep(min(0.05 * 2 ** attempt, LEASE_TTL_S / 3) * random.uniform(0.5, 1))  # the client's backoff
             attempt = min(attempt + 1, 6)
 
     async def close(self) -> None:
