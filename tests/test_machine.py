@@ -1398,3 +1398,22 @@ def test_a_member_re_attaching_to_its_formed_world_is_heard_from(clock):
     clock.now += TTL * 0.5
     second.renew("job", ids[0], 1)
     assert not second.expire_due()[0].notes  # heard from at its Join: not gone half a TTL later
+
+
+def test_a_first_lease_runs_a_ttl_from_the_join_answer(rdzv, clock):
+    """Found by benchmarks/chaos.py: a leader busy after a failover answered a Join 3 s after its world
+    formed; the member's first lease, counted from the forming, ran out before its first renewal could
+    come. A first lease runs at least a TTL from the answer."""
+    spec = JobSpec.build(2)
+    a, _ = join(rdzv, params(spec, "n0"))
+    b, actions = join(rdzv, params(spec, "n1"))
+    assert worlds(actions)
+    clock.now += TTL * 0.6  # the answer waits for the event loop
+    rdzv.answered("job", b)
+    clock.now += TTL * 0.5  # past the forming's TTL, within the answer's
+    rdzv.renew("job", a, 1)
+    assert not rdzv.expire_due()[0].notes
+    clock.now += TTL * 0.6
+    rdzv.renew("job", a, 1)
+    actions, _ = rdzv.expire_due()
+    assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [b]

@@ -69,6 +69,12 @@ class Lessor:
         """The member is bound to a Join call again (IN_JOIN): no deadline."""
         member.lease, member.lease_deadline = Lease.IN_JOIN, None
 
+    def answered(self, member: Member) -> None:
+        """A first lease runs at least a TTL from now (its member's Join is answered now); the
+        heap entry is lazy: it finds the later deadline when it comes due."""
+        if member.lease is Lease.FIRST:
+            member.lease_deadline = max(member.lease_deadline, self._clock() + self.ttl_s)
+
     def release(self, job_id: str, member_id: str, member: Member) -> None:
         """The Join call that held a seated member ended before its next world: one TTL from now."""
         self.grant(job_id, member_id, member, self._clock() + self.ttl_s)

@@ -160,6 +160,14 @@ class Rendezvous:
         """The member's Join call ended: removed unless it was seated (Admission.withdraw)."""
         return self._admission.withdraw(job_id, member_id)
 
+    def answered(self, job_id: str, member_id: str) -> None:
+        """The member's Join is answered its world now: a first lease runs at least a TTL from
+        here (the world may have formed a while before the answer could leave)."""
+        job = self._jobs.get(job_id)
+        member = job.members.get(member_id) if job is not None else None
+        if member is not None:
+            self.lessor.answered(member)
+
     @property
     def has_outbox(self) -> bool:
         return bool(self._admission.outbox)

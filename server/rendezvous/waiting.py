@@ -100,7 +100,9 @@ class Joining:
             # Registered before the actions run: the world may form with this very join.
             waiter = self._waiters.add(params.job_id, joined.member_id, timeout) if formed is None else None
             self._executor.submit(actions)
-            return JoinAnswer(joined, await self._wait(params.job_id, joined.member_id, waiter, formed, timeout, caller), secret)
+            world = await self._wait(params.job_id, joined.member_id, waiter, formed, timeout, caller)
+            self._machine.answered(params.job_id, joined.member_id)
+            return JoinAnswer(joined, world, secret)
         finally:
             shares.give(WAITING, caller)
 
