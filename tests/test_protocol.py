@@ -784,3 +784,37 @@ async def test_a_session_catching_up_hears_only_of_a_world_that_is_durable():
         store.gate.set()
         await channel.close()
         await server.stop()
+
+
+async def test_a_replica_deposed_while_it_answers_says_not_leader_not_what_its_old_state_says():
+    """Found by benchmarks/chaos.py: a leader paused past its lease woke, fired its lease timers (every
+    renewal it had missed), and told the callers queued meanwhile that their members were gone, while
+    another replica led and held them. An answer leaves only while its replica leads; "gone" on a
+    session too."""
+    server = await start_server("127.0.0.1", 0)
+    machine = server.term.machine
+    keep_alive, open_session = machine.keep_alive, machine.open_session
+
+    def deposed_meanwhile(call):
+        def calling(*args, **kwargs):
+            server.leading = lambda: False  # its lease ran out while it worked on this call
+            return call(*args, **kwargs)
+        return calling
+
+    machine.keep_alive, machine.open_session = deposed_meanwhile(keep_alive), deposed_meanwhile(open_session)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.KeepAlive(pb.KeepAliveRequest(job_id="j", member_id="0" * 16))
+            assert caught.value.code() is grpc.StatusCode.UNAVAILABLE and "NOT_LEADER" in str(
+                rpc_status.from_call(caught.value))
+            server.leading = lambda: True
+            session = stub.Session()
+            await session.write(pb.SessionRequest(job_id="j", member_id="0" * 16))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                event = await asyncio.wait_for(session.read(), 10)
+                assert not event.HasField("gone"), event  # not the word of a replica that no longer leads
+            assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop()

@@ -141,7 +141,9 @@ class RendezvousServer:
         executor.start()
         executor.submit(actions)
         servicer = RendezvousServicer(machine, executor, waiters, self.telemetry.rpc_error, self._callers,
-                                      self.telemetry.session_ended)
+                                      self.telemetry.session_ended,
+                                      deposed=lambda: None if self.leading() and self.term is not None
+                                      and self.term.servicer is servicer else self.not_leader())
         self.term, self.leader = Term(machine, waiters, executor, servicer, epoch), ""
         self._tasks.append(asyncio.ensure_future(self._set_health(SERVING)))
 
@@ -279,9 +281,22 @@ class Router(pb_grpc.RendezvousServicer):
 
 
 def _routed(method: str) -> Callable:
+    streams = pb.DESCRIPTOR.services_by_name["Rendezvous"].methods_by_name[method].server_streaming
+
     async def route(self: Router, request, context: grpc.aio.ServicerContext):
+        term = self._server.term
         servicer = self._servicer(context, method)
-        return None if servicer is None else await getattr(servicer, method)(request, context)
+        if servicer is None:
+            return None
+        answer = await getattr(servicer, method)(request, context)
+        if not streams and (self._server.term is not term or not self._server.leading()):
+            # Deposed while it worked (paused past its lease, say): its answer may rest on a state another
+            # replica has moved on from (its timers fired on waking), so the caller asks the leader instead.
+            status = error_status(self._server.not_leader())
+            self._server.telemetry.rpc_error(method, status.code.name)
+            answer_error(context, status)
+            return None
+        return answer
 
     route.__name__ = route.__qualname__ = method
     return route

@@ -37,8 +37,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     def __init__(self, machine: Rendezvous, executor: Executor, waiters: Waiters,
                  rpc_error: Callable[[str, str], None] = lambda method, code: None, callers: Callers | None = None,
-                 session_ended: Callable[[str], None] = lambda how: None) -> None:
+                 session_ended: Callable[[str], None] = lambda how: None,
+                 deposed: Callable[[], Exception | None] = lambda: None) -> None:
         self._machine = machine
+        self._deposed = deposed  # NOT_LEADER once this term no longer leads: "gone" is the leader's word only
         self._session_ended = session_ended
         self._callers = callers
         self._sinks: set[asyncio.Queue] = set()  # of the open sessions
@@ -142,6 +144,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             ttl, missed, actions = self._machine.open_session(job_id, member_id, first.generation, sink, first.spare_port,
                                                               first.member_secret)
         except NotFound as exc:  # a renewal for an unknown member: "gone, re-join", not an error
+            if (deposed := self._deposed()) is not None:
+                self._fail(context, "Session", deposed)
+                return
             await context.write(pb.SessionEvent(gone=str(exc)))
             return
         except Exception as exc:
@@ -160,6 +165,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 self._executor.submit(self._machine.remove_workers(job_id, member_id, first.gone_workers, DISCONNECTED))
                 self._executor.submit(self._machine.remove_workers(job_id, member_id, first.left_workers, "left"))
             except NotFound as exc:
+                if (deposed := self._deposed()) is not None:
+                    self._fail(context, "Session", deposed)
+                    return
                 await context.write(pb.SessionEvent(gone=str(exc)))
                 return
         reader = asyncio.ensure_future(self._renewals(context, job_id, member_id, sink))
@@ -223,7 +231,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 if actions:
                     self._executor.submit(actions)
             except NotFound as exc:
-                sink.put_nowait(Gone(str(exc)))
+                sink.put_nowait(self._deposed() or Gone(str(exc)))
                 return
             except BadRequest as exc:  # ends the stream, INVALID_ARGUMENT; the lease runs on
                 sink.put_nowait(exc)
@@ -237,7 +245,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         try:
             actions = self._machine.restart(job_id, member_id, generation)
         except NotFound as exc:
-            sink.put_nowait(Gone(str(exc)))
+            sink.put_nowait(self._deposed() or Gone(str(exc)))
             return False
         if actions:
             self._executor.submit(actions)
