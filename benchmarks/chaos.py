@@ -4,7 +4,7 @@ nemesis drawn from --seed partitions, pauses, kills and slows them; then one
 history of every call and pushed assignment, checked (benchmarks/chaos_history.py).
 
 Hosts: e0-e2 (etcd 3.5, one member each), r0-r2 (`commctx-server --store
-etcd`, election TTL 3 s, lease TTL 6 s), c0-c2 (benchmarks/chaos_fleet.py:
+etcd`, election TTL 5 s, lease TTL 6 s), c0-c2 (benchmarks/chaos_fleet.py:
 the members of the run's jobs, each a Session stream plus a unary KeepAlive
 every TTL/2). This process, on the bridge itself, is the observer: it is never
 cut off, watches etcd's leader key (the terms: which replica led with which
@@ -78,7 +78,7 @@ from commctx.v1 import rendezvous_pb2_grpc as pb_grpc  # noqa: E402
 from tests.cluster import Hosts  # noqa: E402
 from tests.etcd import etcd_binary  # noqa: E402
 
-ELECTION_TTL_S, LEASE_TTL_S = 3, 6
+ELECTION_TTL_S, LEASE_TTL_S = 5, 6  # the server's default election TTL; a short member lease
 BOUND_S = ELECTION_TTL_S + LEASE_TTL_S + 2  # the convergence promise (docs/reliability.md)
 PORT, ETCD_CLIENT, ETCD_PEER = 50051, 2379, 2380
 NAMES = ("e0", "e1", "e2", "r0", "r1", "r2", "c0", "c1", "c2")
