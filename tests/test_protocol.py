@@ -818,3 +818,37 @@ async def test_a_replica_deposed_while_it_answers_says_not_leader_not_what_its_o
             assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop()
+
+
+async def test_a_keepalive_names_only_a_generation_that_is_durable():
+    """Found by benchmarks/chaos.py: a KeepAlive answered the generation its leader had formed in memory; the
+    leader lost its term before writing it, and the member's next KeepAlive, from the new leader, named
+    the one before. The answer waits until what is queued is written."""
+    from .test_executor import GatedStore
+
+    store = GatedStore()
+    server = await start_server("127.0.0.1", 0, store=store)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+            a = await stub.Join(grow_request("kept", "n0", 1111))
+            await stub.KeepAlive(pb.KeepAliveRequest(job_id="kept", member_id=a.member_id, member_secret=a.member_secret,
+                                                     generation=1))
+            session = stub.Session()  # offers rank 0's spare, so that the next world can form at once
+            await session.write(pb.SessionRequest(job_id="kept", member_id=a.member_id, member_secret=a.member_secret,
+                                                  generation=1, spare_port=4444))
+            await next_event(session)
+            store.gate.clear()  # the next world is formed in memory, not yet written
+            b = asyncio.ensure_future(stub.Join(grow_request("kept", "n1", 2222)))
+            await eventually(lambda: store.at_gate, what="generation 2's commit waits at the gate")
+            renewal = asyncio.ensure_future(stub.KeepAlive(pb.KeepAliveRequest(  # no generation claimed: told the current
+                job_id="kept", member_id=a.member_id, member_secret=a.member_secret)))
+            await asyncio.sleep(1.0)  # the scenario: a second in which generation 2 is not yet written
+            assert not renewal.done()
+            store.gate.set()
+            assert (await asyncio.wait_for(renewal, 10)).generation == 2  # once it is written
+            assert (await b).assignment.generation == 2
+            session.cancel()
+    finally:
+        store.gate.set()
+        await server.stop()

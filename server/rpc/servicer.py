@@ -258,7 +258,14 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             self._executor.submit(actions)
             return pb.KeepAliveResponse(lease_ttl_ms=round(ttl * 1000), generation=generation)
 
-        return await self._call(context, "KeepAlive", renew)
+        answer = await self._call(context, "KeepAlive", renew)
+        if answer is not None:
+            try:  # the generation it names is written first: a leader that loses its term before never formed it
+                await self._executor.settled()
+            except Exception as exc:
+                self._fail(context, "KeepAlive", exc)
+                return None
+        return answer
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse | None:
         try:
