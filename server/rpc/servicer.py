@@ -259,8 +259,10 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
             return pb.KeepAliveResponse(lease_ttl_ms=round(ttl * 1000), generation=generation)
 
         answer = await self._call(context, "KeepAlive", renew)
-        if answer is not None:
-            try:  # the generation it names is written first: a leader that loses its term before never formed it
+        if answer is not None and answer.generation != request.generation:
+            # News (a generation the member does not hold) is told once it is written: a leader that loses
+            # its term first never formed it. A renewal of the generation it holds is answered at once.
+            try:
                 await self._executor.settled()
             except Exception as exc:
                 self._fail(context, "KeepAlive", exc)
