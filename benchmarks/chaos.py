@@ -253,6 +253,9 @@ class Nemesis:
         self.recompute_cuts()
 
     def heal(self, fault: Active) -> None:
+        """Undoes a fault. It is recorded as healed when the undoing begins: connectivity may come back
+        with the first rule removed, and what a cut replica answers after that is no longer a minority's."""
+        began = self.clock()
         for host, *argv in fault.undo:
             self.c.sh(host, *argv)
         if fault.kind == "isolate":
@@ -262,8 +265,8 @@ class Nemesis:
         elif fault.kind == "kill":
             self.c.start(fault.stopped)
         self.active.remove(fault)
-        self.faults.append(Fault(fault.id, fault.kind, fault.targets, fault.start, self.clock()))
-        self.recompute_cuts()
+        self.faults.append(Fault(fault.id, fault.kind, fault.targets, fault.start, began))
+        self.recompute_cuts(began)
 
     def heal_due(self, everything: bool = False) -> None:
         for fault in sorted(self.active, key=lambda f: f.heal_at):
@@ -278,8 +281,9 @@ class Nemesis:
                 return False  # one way is enough to break TCP both ways
         return True
 
-    def recompute_cuts(self) -> None:
-        """Opens or closes an `etcd_cut` fault for each replica by whether it reaches an etcd quorum now."""
+    def recompute_cuts(self, healing: float | None = None) -> None:
+        """Opens or closes an `etcd_cut` fault for each replica by whether it reaches an etcd quorum now
+        (a cut opens once the fault's rules are in place; it closes when a heal began, `healing`)."""
         down = {f.stopped for f in self.active if f.stopped}
         running = [e for e in ETCDS if e not in down]
         quorate = {e for e in running if any(o != e and self.linked(e, o) for o in running)}
@@ -289,7 +293,8 @@ class Nemesis:
             if cut and r not in self.cut_since:
                 self.cut_since[r] = now
             elif not cut and r in self.cut_since:
-                self.faults.append(Fault(self.next_id, "etcd_cut", (r,), self.cut_since.pop(r), now))
+                self.faults.append(Fault(self.next_id, "etcd_cut", (r,), self.cut_since.pop(r),
+                                         now if healing is None else healing))
                 self.next_id += 1
 
 
