@@ -101,8 +101,8 @@ class Member:
     """One slot of a job on this host: joins, holds a Session (renewing every TTL/3) and a unary
     KeepAlive every TTL/2, joins again as a new member when told it is gone, leaves at `leave_at`."""
 
-    def __init__(self, fleet: Fleet, slot: dict, ttl_s: float, probe_at: float) -> None:
-        self.fleet, self.slot, self.ttl_s, self.probe_at = fleet, slot, ttl_s, probe_at
+    def __init__(self, fleet: Fleet, slot: dict, ttl_s: float, t0: float, probe_at: float) -> None:
+        self.fleet, self.slot, self.ttl_s, self.t0, self.probe_at = fleet, slot, ttl_s, t0, probe_at
         self.job = slot["job"]
         self.spec = pb.JobSpec(world_size=slot["world_size"])
         if slot.get("min_size"):
@@ -115,11 +115,10 @@ class Member:
     def until(self) -> float:
         """When this slot's member leaves; one that stays holds its seat through the probes (main ends it)."""
         leave_at = self.slot.get("leave_at")
-        return min(self.probe_at, leave_at + self.fleet_t0) if leave_at is not None else self.probe_at + 600
+        return min(self.probe_at, leave_at + self.t0) if leave_at is not None else self.probe_at + 600
 
-    async def run(self, t0: float) -> None:
-        self.fleet_t0 = t0
-        await asyncio.sleep(max(0.0, t0 + self.slot["join_at"] - time.monotonic()))
+    async def run(self) -> None:
+        await asyncio.sleep(max(0.0, self.t0 + self.slot["join_at"] - time.monotonic()))
         while time.monotonic() < self.until():
             member, secret = await self.join()
             if member is None:
@@ -272,8 +271,8 @@ async def main(args: argparse.Namespace) -> None:
     probe_at = t0 + plan["probe_at"]
     with open(args.out, "w", buffering=1) as out:
         fleet = Fleet(plan["replicas"], args.host, out)
-        members = [Member(fleet, slot, ttl_s, probe_at) for slot in plan["slots"] if slot["host"] == args.host]
-        lives = [asyncio.ensure_future(m.run(t0)) for m in members]
+        members = [Member(fleet, slot, ttl_s, t0, probe_at) for slot in plan["slots"] if slot["host"] == args.host]
+        lives = [asyncio.ensure_future(m.run()) for m in members]
         await asyncio.sleep(max(0.0, probe_at - time.monotonic()))
         await asyncio.gather(*(m.probe() for m in members))  # the members held renew meanwhile, as live workers do
         live: dict[str, list[str]] = {}

@@ -17,7 +17,7 @@ from commctx.server import start_server
 from commctx.v1 import rendezvous_pb2 as pb
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc
 
-from .conftest import eventually, join_request
+from .conftest import consistently, eventually, join_request
 
 Code = grpc.StatusCode
 
@@ -770,8 +770,7 @@ async def test_a_session_catching_up_hears_only_of_a_world_that_is_durable():
                                               generation=1))
         assert (await next_event(session)).HasField("lease_ttl_ms")
         early = asyncio.ensure_future(session.read())
-        await asyncio.sleep(1.0)  # the scenario: a second in which nothing may be told
-        assert not early.done() and not b.done()
+        await consistently(lambda: not early.done() and not b.done(), 1.0, "nothing told while the world is unwritten")
         store.gate.set()
         told = [await asyncio.wait_for(early, 10)]
         while not told[-1].HasField("assignment"):  # the re-form's news, then its world
@@ -843,8 +842,7 @@ async def test_a_keepalive_names_only_a_generation_that_is_durable():
             await eventually(lambda: store.at_gate, what="generation 2's commit waits at the gate")
             renewal = asyncio.ensure_future(stub.KeepAlive(pb.KeepAliveRequest(  # no generation claimed: told the current
                 job_id="kept", member_id=a.member_id, member_secret=a.member_secret)))
-            await asyncio.sleep(1.0)  # the scenario: a second in which generation 2 is not yet written
-            assert not renewal.done()
+            await consistently(lambda: not renewal.done(), 1.0, "no answer while generation 2 is unwritten")
             store.gate.set()
             assert (await asyncio.wait_for(renewal, 10)).generation == 2  # once it is written
             assert (await b).assignment.generation == 2
