@@ -745,6 +745,40 @@ def test_below_the_minimum_survivors_are_told_the_job_cannot_continue(rdzv, cloc
         rdzv.join(params(spec))
 
 
+def test_a_survivor_renewing_by_keepalive_is_told_its_run_stopped_and_does_not_hold_the_job_id(rdzv, clock):
+    """Found by benchmarks/chaos.py (seed 19): a fixed world failed when a member cut off by a partition
+    expired; its survivor, renewing only by KeepAlive, was renewed for ever, and every later Join of the
+    job id was refused 'cannot form'. Its KeepAlive is now told what a session is, and renews nothing."""
+    spec = JobSpec.build(2)
+    a, _ = join(rdzv, params(spec))
+    join(rdzv, params(spec))
+    clock.now += 11
+    rdzv.keep_alive("job", a, 1)
+    rdzv.expire_due()
+    assert rdzv.describe("job").state is JobState.FAILED
+    for _ in range(2):
+        clock.now += TTL / 2
+        with pytest.raises(Conflict, match=r"^job 'job' cannot continue: member \w+ \(node 'n', rank 1\) expired") as told:
+            rdzv.keep_alive("job", a, 1)
+        assert not isinstance(told.value, Closed)
+        rdzv.expire_due()  # at the second: a TTL after its last renewal, so it was not renewed since
+    with pytest.raises(NotFound, match="has no run under way: run 1 failed"):
+        rdzv.keep_alive("job", a, 1)
+    assert rdzv.describe("job").run == 1 and rdzv.describe("job").state is JobState.FAILED  # kept, as failed
+    b, _ = join(rdzv, params(spec))  # the id takes its next run
+    c, _ = join(rdzv, params(spec))
+    assert (rdzv.describe("job").run, rdzv.describe("job").state, set(ranks(rdzv))) == (2, JobState.FORMED, {b, c})
+
+
+def test_a_closed_run_tells_a_keepalive_it_was_closed(rdzv):
+    spec = JobSpec.build(2)
+    a, _ = join(rdzv, params(spec))
+    b, _ = join(rdzv, params(spec))
+    rdzv.leave("job", a, close=True)
+    with pytest.raises(Closed, match=r"^job 'job' was closed: "):
+        rdzv.keep_alive("job", b, 1)
+
+
 def test_a_graceful_leave_ends_a_fixed_job_without_failing_it(rdzv):
     spec = JobSpec.build(2)
     a, _ = join(rdzv, params(spec))

@@ -259,8 +259,10 @@ async def test_keepalive_leave_and_unknown_members(stub):
 
     await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0, member_secret=s0))
     await expect_error(stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m0, member_secret=s0)), Code.NOT_FOUND, m0)
-    # the other member is untouched
-    assert (await stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, member_secret=s1, generation=1))).generation == 1
+    # the other member is still in the run (until it leaves, below), which ended with its first leaver:
+    # its KeepAlive is told so
+    await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, member_secret=s1, generation=1)),
+                       Code.FAILED_PRECONDITION, f"job 'ka' finished: member {m0} (node 'n', rank ", ") left")
     await stub.Leave(pb.LeaveRequest(job_id="ka", member_id=m1, member_secret=s1))
     await expect_error(stub.KeepAlive(pb.KeepAliveRequest(job_id="ka", member_id=m1, member_secret=s1, generation=1)),
                        Code.NOT_FOUND, "job 'ka' has no run under way: run 1 ended")  # kept to describe, nobody in it

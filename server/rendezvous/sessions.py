@@ -5,7 +5,7 @@ themselves are the lessor's (leases.py); removing members is leaving.py's."""
 
 from __future__ import annotations
 
-from ..errors import BadRequest, Stale
+from ..errors import BadRequest, Closed, Conflict, Stale
 from .actions import Actions
 from .forming import Forming
 from .history import History
@@ -61,9 +61,7 @@ class Sessions:
         older = member.sink  # renew() below takes a DETACHED member back
         missed: list[SessionEvent] = []
         if job.state.over:  # a session opened after its job stopped: told at once, as the others were
-            verb = {JobState.FAILED: "cannot continue", JobState.ENDED: "finished", JobState.CLOSED: "was closed"}[job.state]
-            missed.append(Gone(f"job {job_id!r} {verb}: {job.reason}", job.state is not JobState.FAILED,
-                               job.state is JobState.CLOSED))
+            missed.append(Gone(stopped(job), job.state is not JobState.FAILED, job.state is JobState.CLOSED))
         elif job.in_world(member_id):
             if job.state is JobState.FORMED and generation < job.generation:
                 missed.append(job.world(job.previous_plan))
@@ -193,9 +191,14 @@ class Sessions:
         Raises:
             NotFound: unknown job or member, or not its secret.
             Stale: `generation` is neither 0 nor the job's current one.
+            Conflict, Closed: the member's run stopped (failed, ended, closed):
+                told as a session is, and not renewed, so that the id frees for
+                its next run once its members are gone.
         """
         job = self._history.find(job_id)
         job.member(member_id, secret)
+        if job.state.over:
+            raise (Closed if job.state is JobState.CLOSED else Conflict)(stopped(job))
         if generation and generation != job.generation:
             raise Stale(
                 f"member {member_id} of job {job_id!r} holds generation {generation} but the "
@@ -204,3 +207,8 @@ class Sessions:
         current, actions = self.renew(job_id, member_id, generation)
         return self._lessor.ttl_s, current, actions
 
+
+def stopped(job: Job) -> str:
+    """What a member of a run that stopped is told, by a session or a KeepAlive."""
+    verb = {JobState.FAILED: "cannot continue", JobState.ENDED: "finished", JobState.CLOSED: "was closed"}[job.state]
+    return f"job {job.job_id!r} {verb}: {job.reason}"
