@@ -30,9 +30,17 @@ log = logging.getLogger("commctx")
 
 
 CHANNEL_OPTIONS = [
-    # Notice a dead connection while a Join waits, without flooding a live one.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    # Notice a dead connection within 6 s: a server killed or frozen where its
+    # FIN cannot reach us (a partition, a stalled VM) leaves a session or a
+    # waiting Join hanging, unanswered, while a new leader's grace for the
+    # member (a lease TTL) runs out. A ping is a few bytes each way; a waiting
+    # Join sends no data, so pings must not wait for data to be sent. gRPC core
+    # closes a connection on ping_timeout (default: a minute), not on the
+    # keepalive timeout, so both are set.
+    ("grpc.keepalive_time_ms", 3_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.http2.ping_timeout_ms", 3_000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 # Channels to one of several replicas: a call there must not wait long for a
 # dead one, so each connection attempt is bounded (gRPC's default: 20 s) and a

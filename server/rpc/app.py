@@ -352,8 +352,8 @@ def grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits:
         interceptors=list(interceptors),
         options=[
             ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
-            # Clients ping every 30 s while a Join waits; allow it.
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # Clients ping a connection with nothing to read every 3 s (client/channels.py); allow it.
+            ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             # Reclaim what nobody uses: a peer that stops answering pings (gone
             # without a FIN) within 80 s; a connection with no call for 10 min.
             ("grpc.keepalive_time_ms", 60_000),
