@@ -5,10 +5,12 @@ the leader's epoch). Every call and every pushed assignment is written to
 --out as one JSON line (benchmarks/chaos_history.Op's fields; monotonic
 seconds, which every namespace of this machine shares).
 
-A member follows the leader as the client library does: NOT_LEADER hints,
-else the next replica, with backoff. A member the server says is gone (its
-lease ran out during a fault) joins again as a new member (a new incarnation,
-as a restarted worker does). At --leave-at it answers Leave; at --probe-at
+A member follows the leader as the client library does: its channel options
+(pings find a dead connection), NOT_LEADER hints, else the next replica, with
+backoff. A member the server says is gone (its lease ran out during a fault,
+or its run stopped), on its session or by a KeepAlive, whichever says it
+first, joins again as a new member (a new incarnation, as a restarted worker
+does). At --leave-at it answers Leave; at --probe-at
 every member still held stops renewing, every member id this host ever held
 is probed with a KeepAlive (the final-state check), and a last line lists the
 members held ({"kind": "final", "live": {job: [member, ...]}}).
@@ -33,6 +35,7 @@ import grpc
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.chaos_history import world_digest  # noqa: E402
+from commctx.channels import CHANNEL_OPTIONS, FAILOVER_OPTIONS  # noqa: E402
 from commctx.transport import leader_hint  # noqa: E402
 from commctx.v1 import rendezvous_pb2 as pb  # noqa: E402
 from commctx.v1 import rendezvous_pb2_grpc as pb_grpc  # noqa: E402
@@ -51,7 +54,8 @@ class Fleet:
 
     def __init__(self, replicas: list[str], host: str, out) -> None:
         self.replicas = replicas
-        self.channels = {a: grpc.aio.insecure_channel(a) for a in replicas}
+        # As the client library dials replicas: pings find a dead connection, and a replica back is retried soon
+        self.channels = {a: grpc.aio.insecure_channel(a, options=[*CHANNEL_OPTIONS, *FAILOVER_OPTIONS]) for a in replicas}
         self.stubs = {a: pb_grpc.RendezvousStub(ch) for a, ch in self.channels.items()}
         self.leader = replicas[0]
         self.host = host
@@ -79,6 +83,9 @@ class Fleet:
             except grpc.aio.AioRpcError as err:
                 details = err.details() or ""
                 code = err.code().name if err.code() is not grpc.StatusCode.NOT_FOUND else gone_why(details)
+                if kind in ("keepalive", "probe") and err.code() is grpc.StatusCode.FAILED_PRECONDITION \
+                        and details.startswith("job "):
+                    code = RUN_ENDED  # told its run stopped (a stale generation is "member ... holds generation")
                 self.record(kind=kind, job=job, member=member, replica=address, start=start, end=time.monotonic(),
                             ok=False, error=code, details=details[:300])
                 if err.code() not in RETRIED or time.monotonic() >= until:
@@ -171,9 +178,14 @@ class Member:
         unary = asyncio.ensure_future(self.renew(member, secret))
         try:
             while time.monotonic() < self.until():
-                address = self.fleet.leader
-                outcome = await self.session(address, member, secret)
-                if outcome == "gone" or unary.done():
+                session = asyncio.ensure_future(self.session(self.fleet.leader, member, secret))
+                await asyncio.wait((session, unary), return_when=asyncio.FIRST_COMPLETED)
+                if unary.done():  # told by a KeepAlive: the session, wherever it hangs, is not waited for
+                    session.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await session
+                    return "gone"
+                if session.result() == "gone":
                     return "gone"
                 await asyncio.sleep(random.uniform(0.05, 0.3))
             return "done"
@@ -236,8 +248,10 @@ class Member:
                 answer, replica, start, epoch = await self.fleet.call("keepalive", "KeepAlive", request, self.job, member,
                                                                       time.monotonic() + self.ttl_s / 2)
             except grpc.aio.AioRpcError as err:
-                if err.code() is grpc.StatusCode.NOT_FOUND:
-                    self.run_ended = gone_why(err.details() or "") == RUN_ENDED
+                details = err.details() or ""
+                if err.code() is grpc.StatusCode.NOT_FOUND or (
+                        err.code() is grpc.StatusCode.FAILED_PRECONDITION and details.startswith("job ")):
+                    self.run_ended = gone_why(details) == RUN_ENDED  # FAILED_PRECONDITION: its run stopped
                     return
                 continue
             self.fleet.record(kind="keepalive", job=self.job, member=member, replica=replica, start=start,
