@@ -61,8 +61,21 @@ MAX_TXN_BYTES = 1 << 20  # etcd refuses requests over --max-request-bytes (1.5 M
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 1 << 30),  # a full load of a big server's state
     ("grpc.max_send_message_length", 2 << 20),
+    # A dead connection to a member (partitioned away, frozen) is left within
+    # 13 s for the next member (etcd refuses pings more often than every 5 s).
+    # gRPC core closes on ping_timeout (default: a minute), not on the
+    # keepalive timeout, so both are set.
     ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.http2.ping_timeout_ms", 3_000),
+    # A member back is dialled again within 2 s (gRPC's default backoff grows
+    # to two minutes): the lease keeper's channel must not still be waiting
+    # out its backoff after a partition heals while the election's channel has
+    # already won, or the new leader loses its lease within E. (The "min" is
+    # the time a connection attempt is given.)
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 2_000),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 
