@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -150,6 +151,26 @@ async def test_deadlines_fire_without_anyone_asking():
     await eventually(lambda: any(n.event == "removed" for n in rig.notes), timeout_s=5, what="the lease expired")
     assert [n.fields["why"] for n in rig.notes if n.event == "removed"] == ["expired"]
     assert [(j.job_id, j.state, j.members) for j in rig.store.load()] == [("j#1", "failed", ())]  # its run, kept as it ended
+    await rig.executor.stop()
+
+
+async def test_a_stalled_loop_hears_the_renewals_that_waited_before_it_expires_anyone():
+    """The event loop is blocked for 2.5 s (a long GC, a starved process) while a lease of 1 s runs out.
+    Waking, the executor finds its deadline timer 1.5 s late and waits that long again before expiring:
+    the member whose renewal is read just after the stall keeps its seat; the silent one is removed."""
+    rig = Rig(MemoryStore(), lease_ttl_s=1.0)
+    (a, wa), (b, wb) = rig.join("a", 1), rig.join("b", 1, node="m")
+    await asyncio.gather(wa, wb)
+    loop = asyncio.get_running_loop()
+
+    def stall() -> None:
+        time.sleep(2.5)  # the scenario: the whole loop is blocked
+        loop.call_later(0.1, lambda: rig.machine.renew("a", a, 1))  # its renewal, read from the socket after the stall
+
+    loop.call_soon(stall)
+    await eventually(lambda: any(n.event == "removed" for n in rig.notes), timeout_s=10, what="the silent lease expired")
+    assert [n.fields["member"] for n in rig.notes if n.event == "removed"] == [b]
+    assert rig.machine.describe("a").state is JobState.FORMED
     await rig.executor.stop()
 
 

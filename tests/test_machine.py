@@ -333,6 +333,26 @@ def test_leases_start_when_the_world_forms_and_expire_after_ttl(rdzv, clock):
     assert rdzv.job_ids() == []
 
 
+def test_time_the_server_could_not_hear_does_not_count_against_leases(rdzv, clock):
+    """Found by benchmarks/chaos.py: a leader's event loop stalled for 4 s (a starved process); waking, it
+    expired every lease that ran out meanwhile before reading the renewals waiting in its sockets. After
+    a stall, no lease ends before the stall's length has passed again (at most a TTL)."""
+    spec = JobSpec.build(2)
+    a, _ = join(rdzv, params(spec))
+    b, _ = join(rdzv, params(spec))
+    clock.now += TTL + 4  # both leases ran out while the server heard nothing
+    rdzv.stalled(4.0)
+    assert rdzv.next_deadline() == clock.now + 4.0
+    assert not rdzv.expire_due()[0].notes  # nobody is lost for a silence the server could not hear
+    clock.now += 1.0
+    rdzv.keep_alive("job", a, 1)  # a's renewal, read once the loop runs again
+    clock.now += 3.0
+    actions, _ = rdzv.expire_due()
+    assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [b]  # b stayed silent
+    rdzv.stalled(60.0)  # a longer stall holds expiry for one TTL at most
+    assert rdzv.next_deadline() == clock.now + TTL
+
+
 def test_renewals_do_not_touch_the_deadline_heap(rdzv, clock):
     spec = JobSpec.build(100)
     members = [join(rdzv, params(spec, f"n{i % 10}"))[0] for i in range(100)]

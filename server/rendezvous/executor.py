@@ -41,6 +41,9 @@ log = logging.getLogger("commctx.server")
 # is acted on within a tick, and outside an expiry storm the timer fires at
 # most once a tick however many leases are due (docs/benchmarks.md).
 TICK_S = 0.01
+# A deadline timer this late means the event loop heard nothing meanwhile (a long
+# GC, a starved or paused process): the renewals that waited are heard first.
+STALL_S = 1.0
 
 
 class Executor:
@@ -77,6 +80,7 @@ class Executor:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: Deadline | None = None  # the machine's deadline the armed timer serves (None: none)
         self._storm = False  # the armed timer runs at once: an expiry storm goes on, no deadline moves it
+        self._after_stall = False  # the armed timer ends a stall's deafness: it expires what is due, late or not
         self._failing = False
         self._failing_why = ""
         self._busy = False  # a batch is being carried out
@@ -272,7 +276,15 @@ class Executor:
         self._timer, self._timer_at = loop.call_at(fire_at, self._fire), at
 
     def _fire(self) -> None:
+        late = self._machine.now() - self._timer_at if self._timer_at is not None else 0.0
         self._timer, self._timer_at, self._storm = None, None, False
+        if late > STALL_S and not self._after_stall:  # once per stall: a loop that always lags still expires
+            log.warning("stalled", extra={"fields": {"seconds": round(late, 3)}})
+            self._machine.stalled(late)
+            self._after_stall = True
+            self._rearm()
+            return
+        self._after_stall = False
         actions, more = self._machine.expire_due()
         if actions:
             self._enqueue(actions, None)

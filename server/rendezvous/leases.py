@@ -40,6 +40,7 @@ class Lessor:
         self._holder = holder
         self._heap = Deadlines()  # (job id, member id)
         self.widest_world = 0  # the most workers of a world formed here: its first leases are the longest
+        self._deaf_until: Deadline | None = None  # after a stall: no lease ends before it (None: none)
 
     def __len__(self) -> int:
         """Entries in the heap, stale ones included."""
@@ -108,9 +109,23 @@ class Lessor:
         """How long ago a RENEWING member last renewed (None: any other lease)."""
         return now - (member.lease_deadline - self.ttl_s) if member.lease is Lease.RENEWING else None
 
+    def deaf(self, now: float, for_s: float) -> None:
+        """The server heard nothing for `for_s` seconds up to `now` (its event loop
+        stalled: a long GC, a starved or paused process): no lease ends before
+        `now` + that time (at most a TTL), so that the renewals that waited in
+        its sockets meanwhile are heard first. A member is only lost for a
+        silence the server could have heard, as etcd's lessor extends every
+        lease when a new leader takes over."""
+        until = now + min(for_s, self.ttl_s)
+        self._deaf_until = until if self._deaf_until is None else max(self._deaf_until, until)
+
     def next(self) -> Deadline | None:
-        """The earliest deadline in the heap (it may be stale); None: no lease runs."""
-        return self._heap.next()
+        """The earliest deadline in the heap (it may be stale), or the end of
+        a deafness (deaf) before which none comes due; None: no lease runs."""
+        top = self._heap.next()
+        if top is None or self._deaf_until is None:
+            return top
+        return max(top, self._deaf_until)
 
     def expired(self, now: float, limit: int) -> list[tuple[str, str, Lease]]:
         """The members whose lease ran out by `now`: (job id, member id, the
@@ -119,6 +134,10 @@ class Lessor:
         coming up for their lazy check at once) yields the event loop between
         calls. Renewed members' entries are pushed again."""
         out: list[tuple[str, str, Lease]] = []
+        if self._deaf_until is not None:
+            if now < self._deaf_until:
+                return out
+            self._deaf_until = None
         popped = 0
         while len(out) < limit and popped < 2 * limit:
             entry = self._heap.pop_due(now)

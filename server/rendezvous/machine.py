@@ -245,6 +245,11 @@ class Rendezvous:
         """The earliest time (on the injected clock) at which `expire_due` may have work (None: nothing waits)."""
         return earliest(self.lessor.next(), self._forming.next_deadline(), self._history.next_deadline())
 
+    def stalled(self, for_s: float) -> None:
+        """The event loop stalled for `for_s` seconds: time it could not hear does
+        not count against leases (Lessor.deaf)."""
+        self.lessor.deaf(self._clock(), for_s)
+
     def expire_due(self, limit: int = 1000) -> tuple[Actions, bool]:
         """Removes members whose lease ran out (at most `limit` a call, so that
         an expiry storm yields the event loop between calls: Lessor.expired),
