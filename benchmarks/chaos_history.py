@@ -228,9 +228,9 @@ def leave_final(ops: list[Op]) -> list[Violation]:
 def join_kept(ops: list[Op], lease_ttl_s: float) -> list[Violation]:
     """Rule: a member with an answered Join and no answered Leave is found by its last probe, unless its
     lease ran out: the first call that found it gone (a renewal answering NOT_FOUND, else the failed probe)
-    started 0.9 lease TTL or more after the last call before it that renewed it (an answered KeepAlive or
-    probe, or its Join: whose lease starts when its world formed, no later than the first answer of that
-    world to anyone); or a call answered RUN_ENDED (the run it was in ended: FAILED, ENDED or CLOSED, and
+    ended 0.9 lease TTL or more after the last call before it that renewed it started (an answered
+    KeepAlive or probe, or its Join: whose lease starts when its world formed, no later than the first
+    answer of that world to anyone); or a call answered RUN_ENDED (the run it was in ended: FAILED, ENDED or CLOSED, and
     every member with it); or it tried to Leave (unanswered, it stops renewing, as a worker that exited)."""
     left, out = left_at(ops), []
     told: dict[tuple[str, int, int], float] = {}  # a world -> when anyone first heard of it
@@ -245,9 +245,12 @@ def join_kept(ops: list[Op], lease_ttl_s: float) -> list[Violation]:
                 or any(o.error == "RUN_ENDED" or o.kind == "leave" for o in mine):
             continue
         gone = next((o for o in mine if o.kind == "keepalive" and o.error == "NOT_FOUND"), probes[-1])
-        renewed = [told.get((o.job, o.run, o.generation), o.end) if o.kind == "join" else o.end
+        # The server renewed at some time within a KeepAlive's call, and had found the member gone by
+        # the end of `gone`'s: only a removal before the renewal's start + TTL is surely early (a slow
+        # answer does not lengthen the lease it brings back).
+        renewed = [told.get((o.job, o.run, o.generation), o.end) if o.kind == "join" else o.start
                    for o in mine if o.ok and o.kind in ("join", "keepalive", "probe") and o.end <= gone.start]
-        quiet = gone.start - max(renewed, default=joined.end)
+        quiet = gone.end - max(renewed, default=joined.end)
         if quiet < lease_ttl_s * 0.9:
             out.append(Violation("join_kept", (joined.id, probes[-1].id), f"{member} of {joined.job} completed its Join "
                                  f"but the final state lacks it: {probes[-1].error} (found gone {quiet:.1f} s after "

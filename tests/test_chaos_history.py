@@ -91,6 +91,24 @@ def test_expiry_after_a_lease_of_failed_renewals_is_not_a_lost_join():
     assert ch.check(h).invariants() == {"join_kept"}
 
 
+def test_a_lease_counts_from_when_its_renewal_was_sent_not_when_the_answer_came_back():
+    """Found by benchmarks/chaos.py (seed 4): a KeepAlive over a slow link was answered 0.65 s after it was
+    sent, then a partition cut the member off; the server expired it a TTL after the renewal, which the
+    rule, counting from the answer, took for 0.9 TTL after it. A removal is early only if it came before
+    the renewal's start + 0.9 TTL."""
+    h = ch.clean_history()
+    h.ops = [o for o in h.ops if not (o.member == "b-1" and o.kind in ("keepalive", "probe"))] + [
+        ch.Op(801, "keepalive", "job-b", "b-1", "h1", "r0", 16.0, 16.65, generation=1, epoch=10),  # a slow answer
+        ch.Op(802, "keepalive", "job-b", "b-1", "h1", "r1", 25.6, 25.7, ok=False, error="NOT_FOUND"),
+        ch.Op(803, "probe", "job-b", "b-1", "h3", "r1", 50.0, 50.1, ok=False, error="NOT_FOUND")]
+    h.live = {"job-a": frozenset({"a-0", "a-2"}), "job-b": frozenset({"b-0"})}
+    h.ops = [o for o in h.ops if not (o.kind == "describe" and o.job == "job-b")] + [
+        ch.Op(804, "describe", "job-b", "", "h3", "r1", 33.0, 33.1, generation=2, members=("b-0",), state="FORMED")]
+    assert ch.check(h).violations == []  # gone 9.7 s after the renewal was sent: its lease may have run out
+    h.ops = [dataclasses.replace(o, start=16.8, end=17.45) if o.id == 801 else o for o in h.ops]
+    assert ch.check(h).invariants() == {"join_kept"}  # gone 8.9 s after it was sent: surely early
+
+
 def test_one_writer_rules():
     # (a) one epoch answered at two replicas
     h = with_ops(ch.Op(0, "keepalive", "job-b", "b-0", "h0", "r2", 28.0, 28.1, generation=1, epoch=20))
