@@ -397,6 +397,33 @@ def test_a_session_closed_without_leave_is_a_departure_after_the_grace(rdzv, clo
     assert all(pushed(actions, sinks[m]) == [world] for m in ids[:2])
 
 
+def test_a_member_that_missed_a_world_hears_it_when_its_session_returns_during_the_next_re_form(rdzv, clock):
+    """Found by benchmarks/chaos.py (seeds 5 and 6): rank 0's connection was cut as generation 2 formed, so it
+    never heard of it, and generation 2 then re-formed. Rank 0's spare port had become generation 2's store,
+    so generation 3 waited for a new one; but a member's spare port counts only while it names the current
+    generation, and it named 1 for ever: the job waited for good. A session that returns now hears the world
+    it missed before the re-form, as the others did, and offers its next spare from there."""
+    ids, sinks = elastic_world(rdzv, 4)
+    zero = next(m for m, r in ranks(rdzv).items() if r == 0)
+    others = [m for m in ids if m != zero]
+    actions = rdzv.leave("job", others[2])
+    (second,) = worlds(actions)
+    assert second.generation == 2 and second.plan.master_port == 40000 + ids.index(zero) + 1  # zero's spare
+    for m in others[:2]:  # they heard of it, and renew naming it; zero's push was lost with its connection
+        rdzv.renew("job", m, 2, spare_port=41000 + ids.index(m))
+    clock.now += 1
+    actions = rdzv.leave("job", others[1])
+    assert not worlds(actions)  # zero's spare serves generation 2's store: the next world awaits another
+    rdzv.renew("job", zero, 1, spare_port=45555)  # naming the generation it holds: this port does not count
+    assert rdzv.describe("job").state is JobState.FORMING
+    _, missed, actions = rdzv.open_session("job", zero, 1, Sink("again"), spare_port=45555)
+    assert [type(e) for e in missed] == [NewWorld, Reforming]
+    assert (missed[0].generation, missed[0].plan.master_port, missed[1].generation) == (2, second.plan.master_port, 2)
+    _, actions = rdzv.renew("job", zero, 2, spare_port=45556)  # it set up generation 2's store, and offers a new spare
+    (third,) = worlds(actions)
+    assert (third.generation, third.plan.master_port, set(third.plan.ranks)) == (3, 45556, {zero, others[0]})
+
+
 def test_a_session_reopened_within_the_grace_keeps_its_seat_and_nobody_hears(rdzv, clock):
     ids, sinks = elastic_world(rdzv)
     rdzv.close_session("job", ids[0], sinks[ids[0]], departed=True)

@@ -63,9 +63,9 @@ class Sessions:
         if job.state.over:  # a session opened after its job stopped: told at once, as the others were
             missed.append(Gone(stopped(job), job.state is not JobState.FAILED, job.state is JobState.CLOSED))
         elif job.in_world(member_id):
-            if job.state is JobState.FORMED and generation < job.generation:
+            if generation < job.generation:  # the world it missed, re-forming or not: its store and next spare come from it
                 missed.append(job.world(job.previous_plan))
-            elif job.state is JobState.FORMING and job.announced:
+            if job.state is JobState.FORMING and job.announced:
                 missed.append(Reforming(job.generation, job.reason, job.abandoned))
         member.sink = sink
         _, actions = self.renew(job_id, member_id, generation, spare_port)
