@@ -896,6 +896,39 @@ def test_restart_restores_worlds_and_forming_jobs(clock):
     assert world.plan.master_port == 6001 and set(world.plan.ranks) == {forming, next(iter(set(world.plan.ranks) - {forming}))}
 
 
+def test_a_joiner_restored_beside_a_formed_world_grows_it_when_it_re_attaches(clock):
+    """Found by benchmarks/chaos.py: after failovers, a leader held an elastic world of 2, FORMED, and a
+    joiner waiting in its Join, and never grew the world: only a first Join asked whether the world could
+    grow, not a Join re-attaching. (Here the store holds the joiner beside the formed world, as a term
+    lost between the two left it.)"""
+    store = MemoryStore()
+    epoch = store.take_over()
+    first = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    spec = elastic(4, 2, last_call_ms=500)
+    ids = []
+    for i in range(2):
+        member, actions = join(first, params(spec, f"n{i}", port=5000 + i))
+        ids.append(member)
+        commit(store, epoch, actions)
+    clock.now += 1
+    commit(store, epoch, first.expire_due()[0])  # the last call: a world of 2
+    assert first.describe("job").state is JobState.FORMED
+    joiner = params(spec, "n2", port=5002, member_id="cc" * 8)
+    _, actions = join(first, joiner)
+    store.commit([w for w in actions.writes if isinstance(w, PutMember)], epoch)  # only the joiner's record
+    second = Rendezvous(lease_ttl_s=TTL, clock=clock)
+    second.restore(store.load(), grace_s=TTL)
+    assert (second.describe("job").state, second.describe("job").joined) == (JobState.FORMED, 3)
+    _, actions, placed = second.join(joiner)  # it re-attaches, its call open
+    assert placed is None and second.describe("job").state is JobState.FORMING
+    for i, m in enumerate(ids):  # the survivors renew, offering spare ports (rank 0's served the first store)
+        second.renew("job", m, 1, spare_port=6000 + i)
+    clock.now += 1
+    actions, _ = second.expire_due()  # the last call
+    (world,) = worlds(actions)
+    assert (world.generation, world.plan.world_size) == (2, 3) and "cc" * 8 in world.plan.ranks
+
+
 def test_a_forming_member_that_never_comes_back_after_a_restart_expires(clock):
     store = MemoryStore()
     epoch = store.take_over()

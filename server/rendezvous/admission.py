@@ -214,7 +214,12 @@ class Admission:
             actions.writes.append(PutMember(job.job_id, member_record(p.member_id, member)))
         if p.member_id in job.suspects and member.port:  # a survivor awaited before the re-form: heard from
             job.suspects.discard(p.member_id)
-        self._forming.maybe_form(job, actions)
+        if job.state is JobState.FORMED and self._forming.grows(job):  # a joiner restored into a formed world, say
+            waiting = job.workers - job.seated_workers
+            self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
+            self._forming.arm_last_call(job)
+        else:
+            self._forming.maybe_form(job, actions)
         return joined, actions, None
 
     def _newcomers(self, job: Job, member: Member, p: JoinParams) -> tuple[Slot, ...]:
