@@ -174,6 +174,25 @@ async def test_a_stalled_loop_hears_the_renewals_that_waited_before_it_expires_a
     await rig.executor.stop()
 
 
+async def test_a_slow_store_does_not_cost_a_new_world_its_first_leases():
+    """Found by benchmarks/chaos.py: etcd took longer than a lease TTL to commit a world, so its members'
+    first leases, counted from the forming, ran out before their Join answers could leave, and they were
+    removed as they heard they were seated. A commit that takes longer than STALL_S holds expiry as a
+    stall does (and so does a deadline that comes while it is under way)."""
+    rig = Rig(GatedStore(), lease_ttl_s=1.0)
+    rig.store.gate.clear()  # the store stalls: the world's commit waits
+    (a, wa), (b, wb) = rig.join("j", 2), rig.join("j", 2, node="m")
+    await asyncio.sleep(2.0)  # twice the TTL: the first leases, counted from the forming, have run out
+    rig.store.gate.set()
+    await asyncio.gather(wa, wb)  # both answered their world
+    rig.machine.answered("j", a)
+    rig.machine.answered("j", b)
+    await asyncio.sleep(0.5)  # within a TTL of the answers: nobody may be gone
+    assert not [n for n in rig.notes if n.event == "removed"]
+    assert rig.machine.describe("j").state is JobState.FORMED
+    await rig.executor.stop()
+
+
 async def test_waiters_share_one_timer_and_time_out():
     loop = asyncio.get_running_loop()
     waiters = Waiters()

@@ -81,6 +81,7 @@ class Executor:
         self._timer_at: Deadline | None = None  # the machine's deadline the armed timer serves (None: none)
         self._storm = False  # the armed timer runs at once: an expiry storm goes on, no deadline moves it
         self._after_stall = False  # the armed timer ends a stall's deafness: it expires what is due, late or not
+        self._committing_since: float | None = None  # when the commit under way began (None: none)
         self._failing = False
         self._failing_why = ""
         self._busy = False  # a batch is being carried out
@@ -168,12 +169,18 @@ class Executor:
                 self._busy = True
                 batch = list(self._queue)
                 writes = without_superseded([w for actions, _ in batch for w in actions.writes])
-                if writes and not await self._commit(writes):
+                self._committing_since = self._machine.now()
+                committed = not writes or await self._commit(writes)
+                took, self._committing_since = self._machine.now() - self._committing_since, None
+                if not committed:
                     if self.fenced is not None:
                         return
                     self._refuse(batch)
                     await asyncio.sleep(self._retry_s)  # the disk may free up; nothing is announced meanwhile
                     continue
+                if took > STALL_S:  # its answers waited on the store: their first leases count from when they can leave
+                    log.warning("store_slow", extra={"fields": {"seconds": round(took, 3)}})
+                    self._machine.stalled(took)
                 for _ in batch:
                     self._queue.popleft()
                 for actions, done in batch:
@@ -278,6 +285,10 @@ class Executor:
     def _fire(self) -> None:
         late = self._machine.now() - self._timer_at if self._timer_at is not None else 0.0
         self._timer, self._timer_at, self._storm = None, None, False
+        committing = self._machine.now() - self._committing_since if self._committing_since is not None else 0.0
+        if committing > STALL_S:  # a slow store holds answers back: nobody can renew a lease it has not heard of
+            late = max(late, committing)
+            self._after_stall = False
         if late > STALL_S and not self._after_stall:  # once per stall: a loop that always lags still expires
             log.warning("stalled", extra={"fields": {"seconds": round(late, 3)}})
             self._machine.stalled(late)
