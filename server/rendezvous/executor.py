@@ -287,9 +287,8 @@ class Executor:
         self._timer, self._timer_at, self._storm = None, None, False
         committing = self._machine.now() - self._committing_since if self._committing_since is not None else 0.0
         if committing > STALL_S:  # a slow store holds answers back: nobody can renew a lease it has not heard of
-            late = max(late, committing)
-            self._after_stall = False
-        if late > STALL_S and not self._after_stall:  # once per stall: a loop that always lags still expires
+            self._machine.stalled(committing)  # (logged as store_slow once the commit ends); the rest is done below
+        elif late > STALL_S and not self._after_stall:  # once per stall: a loop that always lags still expires
             log.warning("stalled", extra={"fields": {"seconds": round(late, 3)}})
             self._machine.stalled(late)
             self._after_stall = True
