@@ -899,8 +899,8 @@ def test_restart_restores_worlds_and_forming_jobs(clock):
 def test_a_joiner_restored_beside_a_formed_world_grows_it_when_it_re_attaches(clock):
     """Found by benchmarks/chaos.py: after failovers, a leader held an elastic world of 2, FORMED, and a
     joiner waiting in its Join, and never grew the world: only a first Join asked whether the world could
-    grow, not a Join re-attaching. (Here the store holds the joiner beside the formed world, as a term
-    lost between the two left it.)"""
+    grow, not a Join re-attaching. (Here the store holds the joiner beside the formed world, the state
+    that leader was found in; how it came to be there was not recovered from the logs.)"""
     store = MemoryStore()
     epoch = store.take_over()
     first = Rendezvous(lease_ttl_s=TTL, clock=clock)
