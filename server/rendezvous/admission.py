@@ -214,12 +214,7 @@ class Admission:
             actions.writes.append(PutMember(job.job_id, member_record(p.member_id, member)))
         if p.member_id in job.suspects and member.port:  # a survivor awaited before the re-form: heard from
             job.suspects.discard(p.member_id)
-        if job.state is JobState.FORMED and self._forming.grows(job):  # a joiner restored into a formed world, say
-            waiting = job.workers - job.seated_workers
-            self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
-            self._forming.arm_last_call(job)
-        else:
-            self._forming.maybe_form(job, actions)
+        self._grow_or_form(job, actions)  # a joiner restored beside a formed world, say, grows it
         return joined, actions, None
 
     def _newcomers(self, job: Job, member: Member, p: JoinParams) -> tuple[Slot, ...]:
@@ -260,6 +255,11 @@ class Admission:
         self._history.event(job, EventKind.JOINED, f"{len(newcomers)} worker{'s' * (len(newcomers) > 1)} of host "
                                                    f"{member.node_key!r} joined; {job.count()}", actions,
                             member=member_id, node=member.node_key, workers=len(newcomers))
+        self._grow_or_form(job, actions)
+
+    def _grow_or_form(self, job: Job, actions: Actions) -> None:
+        """Workers waiting beside a formed world that they can grow re-form it; a
+        forming world forms if it can (an elastic one, after its last call)."""
         if job.state is JobState.FORMED and self._forming.grows(job):
             waiting = job.workers - job.seated_workers
             self._forming.change(job, f"{waiting} worker{'s' * (waiting > 1)} waiting to join can grow the world", actions)
