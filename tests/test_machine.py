@@ -188,6 +188,18 @@ def test_a_retried_join_reattaches(rdzv, clock):
     assert placed.generation == 1 and placed.seat_of(first).seat.rank == 0
 
 
+def test_a_survivor_re_attaching_to_a_later_world_is_told_it_as_its_peers_were(rdzv, clock):
+    """Found by the suite under load: a host's Join retried after the world it waited for formed was
+    answered that world without the one before, so its survivors were told no previous rank and every
+    group changed, as newcomers are."""
+    ids = world_of_given_ids(rdzv)
+    (second,) = worlds(rdzv.leave("job", ids[3]))
+    _, _, placed = rdzv.join(params(elastic(4, 1), "n2", member_id=ids[2]))  # its Join, retried
+    told, pushed_world = placed.seat_of(ids[2]), second.seat_of(ids[2])
+    assert (told.previous_rank, told.changed_groups, told.reason) == (2, pushed_world.changed_groups, second.reason)
+    assert "INTRA_NODE" not in told.changed_groups  # its node's group is unchanged
+
+
 def test_withdraw_before_forming_removes_after_forming_does_not(rdzv):
     spec = JobSpec.build(3)
     a, _ = join(rdzv, params(spec))
@@ -1396,46 +1408,79 @@ def world_of_given_ids(rdzv: Rendezvous) -> list[str]:
     return ids
 
 
-def test_a_seated_member_waiting_in_a_reattaching_join_is_held_by_its_call(rdzv, clock):
-    """Found by benchmarks/chaos.py: a member seated in a world that is re-forming re-attaches with
-    its Join (its first try was cut by a failover) and waits for the next world. Its call holds it,
-    as it holds a newcomer: its lease does not run out while the world waits for rank 0's spare port;
-    the next world seats it; a call that ends first gives its lease back (not held forever)."""
+def test_a_seated_member_re_attaching_while_its_world_re_forms_is_answered_that_world(rdzv, clock):
+    """A member seated in a world that is re-forming re-attaches with its Join (its first answer was
+    lost to a failover, say). It is answered the world it sits in at once, as its peers were; its Join
+    is its word, so its lease runs a TTL from it, held by nothing after; its session then hears the
+    re-form, and the next world seats it."""
     ids = world_of_given_ids(rdzv)
     (second,) = worlds(rdzv.leave("job", ids[3]))  # rank 0's spare serves generation 2's store
-    assert rdzv.describe("job").state is JobState.FORMED
+    for m in ids[:3]:
+        rdzv.renew("job", m, 2)
     rdzv.leave("job", ids[2])  # generation 3 waits for rank 0 to offer a new spare
     assert rdzv.describe("job").state is JobState.FORMING
-    joined, _, placed = rdzv.join(params(elastic(4, 1), "n1", member_id=ids[1]))  # a retried Join
-    assert (joined.member_id, placed) == (ids[1], None)
-    for _ in range(3):  # three leases pass; rank 0 renews, the waiting member only waits in its Join
-        clock.now += TTL * 0.9
-        rdzv.renew("job", ids[0], second.generation)
-        actions, _ = rdzv.expire_due()
-        assert not [n for n in actions.notes if n.event == "removed"]
-    _, actions = rdzv.renew("job", ids[0], second.generation, spare_port=40200)
+    clock.now += TTL * 0.9
+    rdzv.renew("job", ids[0], 2)
+    joined, actions, placed = rdzv.join(params(elastic(4, 1), "n1", member_id=ids[1]))  # a retried Join
+    assert joined.member_id == ids[1] and not worlds(actions)
+    assert (placed.generation, placed.plan.master_port, placed.seat_of(ids[1]).seat.rank) == (2, second.plan.master_port, 1)
+    clock.now += TTL * 0.9  # a TTL after its last renewal, within one of its Join
+    rdzv.renew("job", ids[0], 2)
+    assert not rdzv.expire_due()[0].notes
+    _, missed, _ = rdzv.open_session("job", ids[1], 2, Sink("again"), spare_port=30000)
+    assert [(type(e), e.generation) for e in missed] == [(Reforming, 2)]
+    _, actions = rdzv.renew("job", ids[0], 2, spare_port=40200)
     (third,) = worlds(actions)
-    assert set(third.plan.ranks) == {ids[0], ids[1]} and third.seat_of(ids[1]) is not None
-    clock.now += TTL + 1  # its first lease in the new world runs out like anyone's
-    rdzv.renew("job", ids[0], third.generation)
+    assert (third.generation, set(third.plan.ranks), third.plan.master_port) == (3, {ids[0], ids[1]}, 40200)
+
+
+def test_a_seated_members_answered_join_holds_its_lease_for_one_ttl_only(rdzv, clock):
+    """Nothing holds a seated member whose re-attaching Join was answered: silent after it, it is gone
+    one TTL later, as anyone is."""
+    ids = world_of_given_ids(rdzv)
+    rdzv.leave("job", ids[3])
+    rdzv.leave("job", ids[2])
+    assert rdzv.describe("job").state is JobState.FORMING
+    _, _, placed = rdzv.join(params(elastic(4, 1), "n1", member_id=ids[1]))
+    assert placed.generation == 2
+    joined_at = clock.now
+    assert not rdzv.withdraw("job", ids[1]).writes  # its call ended, answered: seated, not withdrawn
+    clock.now = joined_at + TTL - 0.01
+    rdzv.renew("job", ids[0], 2)
+    assert not rdzv.expire_due()[0].notes
+    clock.now = joined_at + TTL
     actions, _ = rdzv.expire_due()
     assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [ids[1]]
 
 
-def test_a_seated_members_join_that_ends_before_its_world_gives_its_lease_back(rdzv, clock):
-    ids = world_of_given_ids(rdzv)
-    rdzv.leave("job", ids[3])
-    rdzv.leave("job", ids[2])
-    rdzv.join(params(elastic(4, 1), "n1", member_id=ids[1]))
-    for _ in range(3):
-        clock.now += TTL * 0.9
-        rdzv.renew("job", ids[0], 2)
-        assert not rdzv.expire_due()[0].notes  # held by its call
-    assert not rdzv.withdraw("job", ids[1]).writes  # the call ended: seated, not withdrawn ...
-    clock.now += TTL + 0.01
-    rdzv.renew("job", ids[0], 2)
-    actions, _ = rdzv.expire_due()
-    assert [n.fields["member"] for n in actions.notes if n.event == "removed"] == [ids[1]]  # ... its lease ran again
+def test_a_rank_0_that_never_heard_of_its_world_is_answered_it_when_its_join_returns_during_a_re_form(rdzv, clock):
+    """Found by benchmarks/chaos.py (seed 13): rank 0's Join answer was lost to a partition, so it never
+    heard of generation 1, and its Join, retried, came back while generation 1 re-formed. That Join
+    carries the port generation 1's store took, which is no spare: the job held the Join for the next
+    world, and the next world waited for rank 0's next spare, which a worker waiting in a Join never
+    offers. The Join is answered the world it missed; from its session, rank 0 hears the re-form and
+    offers a new spare, and the next world forms."""
+    spec = elastic(3, 1)
+    joins = [join(rdzv, params(spec, f"n{i}", member_id=f"{i + 1:016x}", port=30000 + i)) for i in range(3)]
+    ids = [m for m, _ in joins]
+    (first,) = worlds(joins[-1][1])
+    zero, others = ids[0], ids[1:]
+    assert (first.seat_of(zero).seat.rank, first.plan.master_port) == (0, 30000)
+    for i, m in enumerate(others):  # they heard; rank 0's answer was lost
+        rdzv.open_session("job", m, 1, Sink(m), spare_port=41000 + i)
+    actions = rdzv.leave("job", others[1])
+    assert not worlds(actions)  # rank 0's spare serves generation 1's store: the next world awaits another
+    assert rdzv.describe("job").state is JobState.FORMING
+    joined, actions, placed = rdzv.join(params(spec, "n0", member_id=zero, port=30000))  # its Join, retried as it was
+    assert not worlds(actions)
+    assert placed is not None, "rank 0's Join was held for a world that awaits its spare"
+    assert (placed.generation, placed.plan.master_port, placed.seat_of(zero).seat.rank) == (1, 30000, 0)
+    _, missed, _ = rdzv.open_session("job", zero, 1, Sink(zero), spare_port=30000)  # it serves the store on 30000
+    assert [(type(e), e.generation) for e in missed] == [(Reforming, 1)]
+    assert rdzv.describe("job").state is JobState.FORMING
+    _, actions = rdzv.renew("job", zero, 1, spare_port=45556)  # its next spare
+    (second,) = worlds(actions)
+    assert (second.generation, second.plan.master_port, set(second.plan.ranks)) == (2, 45556, {zero, others[0]})
 
 
 def test_a_member_that_died_before_a_restart_is_gone_one_ttl_after_it(clock):

@@ -200,22 +200,38 @@ class Admission:
             self._admit_workers(job, p.member_id, member, newcomers, actions)
         joined = Joined(job.job_id, p.member_id, self._lessor.ttl_s, job.workers)
         seated = job.seated(p.member_id, member) == member.workers
-        if seated and job.state is JobState.FORMED:  # answered its world; its Join is its word: the lease runs from now
+        if seated and job.state in (JobState.FORMED, JobState.FORMING):
+            # Seated: its Join is its word (the lease runs from now), answered with the world it sits in. A
+            # world re-forming is one whose answer this member missed (a Join cut by a partition or a
+            # failover): it hears the re-form on its session next, as the members answered in time did
+            # (Sessions.open_session), and offers a spare port from there, as rank 0 must: its Join's port
+            # serves that world's store. Holding the Join for the next world instead would wait for ever on
+            # the spare of a rank 0 that never heard of its world.
             self._lessor.renew(job.job_id, p.member_id, member, attach=True)
-            return joined, actions, job.world()
+            if job.state is JobState.FORMING:
+                self._heard(job, p, member, actions)  # the next world may form, with it, now
+            if job.seated(p.member_id, member) == member.workers:  # told as the world was told (previous rank, changes)
+                return joined, actions, job.world(job.previous_plan)
+            self._lessor.bind(member)  # (a next world formed without it: it waits for the one after)
+            return joined, actions, None
         if not seated and job.in_world(p.member_id):  # a host membership's newcomers wait for the next world; its lease stays
             return joined, actions, None
-        # Bound to this call again: a newcomer, or a member seated in a world being re-formed (a Join retried
-        # across a failover, say), which its call holds until the next world; withdraw gives the lease back.
+        # Bound to this call again (a newcomer), which holds it until its world; withdraw gives the lease back.
         self._lessor.bind(member)
+        self._heard(job, p, member, actions)
+        return joined, actions, None
+
+    def _heard(self, job: Job, p: JoinParams, member: Member, actions: Actions) -> None:
+        """A re-attaching Join is its member's word: its port is a spare (unless it
+        serves its world's store), and a survivor awaited before the re-form is heard
+        from; a world forms, or grows, if it can now."""
         if member.port != p.port and not serves_store(job, p.member_id, p.port):
             member.port = p.port
             job.version += 1
             actions.writes.append(PutMember(job.job_id, member_record(p.member_id, member)))
-        if p.member_id in job.suspects and member.port:  # a survivor awaited before the re-form: heard from
+        if p.member_id in job.suspects and member.port:
             job.suspects.discard(p.member_id)
         self._grow_or_form(job, actions)  # a joiner restored beside a formed world, say, grows it
-        return joined, actions, None
 
     def _newcomers(self, job: Job, member: Member, p: JoinParams) -> tuple[Slot, ...]:
         """The workers a host membership's re-attaching Join adds (every worker
