@@ -367,9 +367,10 @@ def test_the_session_warning_names_the_replica_it_moves_to(caplog):
 # -- Ctrl-C in a waiting join ----------------------------------------------------------------------
 
 CHILD = textwrap.dedent("""
-    import json, sys, threading, time
+    import json, signal, sys, threading, time
     from commctx import CommContext
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (a suite run in the background ignores it)
     print("joining", flush=True)
     try:
         CommContext.join(sys.argv[1], job_id=sys.argv[2], world_size=2, timeout=60, progress_interval=0,
