@@ -215,6 +215,47 @@ def test_sessions_are_back_within_a_lease_of_a_server_down_for_half_a_minute(tmp
         server.stop()
 
 
+GHOST = """
+import sys, grpc
+from commctx.v1 import rendezvous_pb2 as pb, rendezvous_pb2_grpc as pb_grpc
+channel = grpc.insecure_channel(sys.argv[1])  # a plain channel: this client sends no pings of its own
+pb_grpc.RendezvousStub(channel).Join(pb.JoinRequest(job_id="ghost", spec=pb.JobSpec(world_size=2), node_key="n",
+    address="127.0.0.1", master_port=23456, wait_timeout_ms=600_000), timeout=700)
+"""
+
+
+@pytest.mark.slow(35)
+def test_a_joiner_whose_host_stops_answering_is_withdrawn_within_half_a_minute():
+    """A worker waiting in its Join whose host stops (crashed, or cut off, with no FIN) must not be
+    seated in a world that then waits a lease for it: the server's pings find its connection dead and
+    the Join is withdrawn. Not before a lease (the timeout is at least one, so that a paused member is
+    found by its lease), and not after gRPC's default of two minutes (60 s / 20 s keepalive, closed on
+    the 1-minute ping timeout: 121 s measured)."""
+    server = Server("127.0.0.1")  # the default lease, 10 s: pings every 20 s, answered within 10 s
+    ghost = subprocess.Popen([sys.executable, "-c", GHOST, server.address])
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.RendezvousStub(channel)
+
+            def joined() -> int:
+                try:
+                    return stub.DescribeJob(pb.DescribeJobRequest(job_id="ghost"), timeout=5).joined
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        return 0
+                    raise
+
+            wait_until(lambda: joined() == 1, 30, "the joiner never waited in its Join")
+            ghost.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            wait_until(lambda: joined() == 0, 40, "the stopped joiner was still waiting 40 s later")
+            assert time.monotonic() - stopped >= 9.5  # at least the ping timeout, a lease
+    finally:
+        ghost.kill()
+        ghost.wait(10)
+        server.stop()
+
+
 NETNS = netns_available()
 
 

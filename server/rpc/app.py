@@ -181,7 +181,7 @@ class RendezvousServer:
         if replica is None:
             self.begin_term(self._store, self._store.take_over(), self._store.load())
         guards = [TokenInterceptor(self._callers, self.telemetry.rpc_error)] if self._callers is not None else []
-        server = grpc_server([*guards, DecodeGuard(self.telemetry.rpc_error)], self._limits)
+        server = grpc_server([*guards, DecodeGuard(self.telemetry.rpc_error)], self._limits, self._lease_ttl_s)
         pb_grpc.add_RendezvousServicer_to_server(Router(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health.aio, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -347,7 +347,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
                     response_serializer=pass_bytes(handler.response_serializer))
 
 
-def grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits: Limits = Limits()) -> grpc.aio.Server:
+def grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits: Limits = Limits(),
+                lease_ttl_s: float = 10.0) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=list(interceptors),
         options=[
@@ -355,9 +356,17 @@ def grpc_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), limits:
             # Clients ping a connection with nothing to read every 3 s (client/channels.py); allow it.
             ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
             # Reclaim what nobody uses: a peer that stops answering pings (gone
-            # without a FIN) within 80 s; a connection with no call for 10 min.
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
+            # without a FIN: its host crashed or was cut off) within a ping
+            # interval and a timeout (30 s with the default lease), its waiting
+            # Join withdrawn before a world seats it; a connection with no call
+            # for 10 min. The timeout is at least a lease, so that a paused
+            # member is found by its lease, not its connection. gRPC core closes
+            # on ping_timeout (default: a minute), not on the keepalive timeout,
+            # so both are set: with 60 s / 20 s alone, a stopped client's Join
+            # was held for 121 s.
+            ("grpc.keepalive_time_ms", round(max(2 * lease_ttl_s, 20.0) * 1000)),
+            ("grpc.keepalive_timeout_ms", round(max(lease_ttl_s, 10.0) * 1000)),
+            ("grpc.http2.ping_timeout_ms", round(max(lease_ttl_s, 10.0) * 1000)),
             ("grpc.max_connection_idle_ms", 600_000),
             # No connection lives for ever (its open calls get the longest Join wait to end).
             ("grpc.max_connection_age_ms", round(limits.max_connection_age_s * 1000)),
