@@ -11,9 +11,10 @@ backoff. A member the server says is gone (its lease ran out during a fault,
 or its run stopped), on its session or by a KeepAlive, whichever says it
 first, joins again as a new member (a new incarnation, as a restarted worker
 does). At --leave-at it answers Leave; at --probe-at
-every member still held stops renewing, every member id this host ever held
-is probed with a KeepAlive (the final-state check), and a last line lists the
-members held ({"kind": "final", "live": {job: [member, ...]}}).
+every member id this host ever held is probed with a KeepAlive (the
+final-state check) while the members held go on renewing, and a last line
+lists the members held at the probe ({"kind": "final", "live": {job:
+[member, ...]}}).
 
     python benchmarks/chaos_fleet.py --plan PLAN.json --host c0 --out OPS.jsonl
 """
@@ -288,11 +289,14 @@ async def main(args: argparse.Namespace) -> None:
         members = [Member(fleet, slot, ttl_s, t0, probe_at) for slot in plan["slots"] if slot["host"] == args.host]
         lives = [asyncio.ensure_future(m.run()) for m in members]
         await asyncio.sleep(max(0.0, probe_at - time.monotonic()))
-        await asyncio.gather(*(m.probe() for m in members))  # the members held renew meanwhile, as live workers do
+        # The members held at the probe are the live ones, taken before probing: a host done probing first ends
+        # its members (their sessions close without a Leave), which can end a run under another host's members
+        # while that host still probes (seed 6 of sweep 10 counted such members dead, and their jobs unconverged).
         live: dict[str, list[str]] = {}
         for m in members:
             if m.held:
                 live.setdefault(m.job, []).append(m.held)
+        await asyncio.gather(*(m.probe() for m in members))  # the members held renew meanwhile, as live workers do
         for task in lives:
             task.cancel()
         await asyncio.gather(*lives, return_exceptions=True)
