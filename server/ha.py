@@ -59,6 +59,10 @@ class Replica:
         self._revision = 0
         self._progress = asyncio.Condition()
         self._leader_changed = asyncio.Event()
+        # Election leases this replica gave up but could not revoke (etcd out of reach as it lost
+        # them): revoked before its next campaign. Left alone, one holds the leader key until etcd
+        # expires it, which etcd puts off by a whole TTL whenever it elects a leader of its own.
+        self._unrevoked: set[int] = set()
         self.role = "unknown"  # "leader", "follower" or "unknown"
         # Until when this replica may be sure of its election lease (the keeper
         # thread moves it on with each renewal etcd confirms): past it, another
@@ -99,6 +103,7 @@ class Replica:
         while True:
             lease_id = 0
             try:
+                await self._revoke_unrevoked()
                 granted_at = self._clock()
                 lease_id = (await self._unary(self._leases.LeaseGrant, rpc.LeaseGrantRequest(TTL=self._ttl))).ID
                 self.trusted_until = granted_at + self._ttl - self._margin
@@ -117,6 +122,9 @@ class Replica:
                     await self._lead(server, reply.header.revision, keeper)
                 else:
                     kvs = reply.responses[0].response_range.kvs
+                    if kvs and kvs[0].lease in self._unrevoked:  # its own key, of a lease it gave up: not a leader to follow
+                        keeper.cancel()
+                        continue  # revoked (finally) before the next campaign
                     await self._follow(server, kvs[0].value.decode() if kvs else "", keeper)
                 attempt = 0
             except (grpc.aio.AioRpcError, LeaseLost) as exc:
@@ -131,8 +139,23 @@ class Replica:
             finally:
                 if lease_id:
                     stop_keeping.set()
+                    self._unrevoked.add(lease_id)
                     with contextlib.suppress(grpc.aio.AioRpcError):
-                        await self._unary(self._leases.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
+                        await self._revoke_unrevoked()
+
+    async def _revoke_unrevoked(self) -> None:
+        """Revokes the election leases this replica gave up (its leader key goes with one).
+
+        Raises:
+            grpc.aio.AioRpcError: etcd cannot be reached (those not revoked are tried again next time).
+        """
+        for lease_id in sorted(self._unrevoked):
+            try:
+                await self._unary(self._leases.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it expired meanwhile
+                    raise
+            self._unrevoked.discard(lease_id)
 
     async def _lead(self, server: RendezvousServer, epoch: int, keeper: asyncio.Task) -> None:
         """Serves from the warm copy once it has seen this election (revision

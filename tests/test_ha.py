@@ -7,6 +7,7 @@ that keep training across a failover, in test_ha_workers.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -187,3 +188,75 @@ def test_an_etcd_outage_stops_the_leader_and_service_resumes_with_etcd(cluster):
         renewed = stub.KeepAlive(pb.KeepAliveRequest(job_id="kept", member_id=member.member_id, generation=1,
                                                      member_secret=member.member_secret), timeout=5)
         assert renewed.generation == 1
+
+
+class _RevokeFailsOnce:
+    """The replica's lease stub, whose first LeaseRevoke fails as it does when etcd is out of reach."""
+
+    def __init__(self, leases) -> None:
+        self._leases, self.failed = leases, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._leases, name)
+
+    async def LeaseRevoke(self, request, **kw):  # noqa: N802 (the stub's name)
+        if not self.failed:
+            self.failed = True
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "etcd out of reach")
+        return await self._leases.LeaseRevoke(request, **kw)
+
+
+async def test_a_replica_that_could_not_revoke_its_lost_lease_revokes_it_before_it_campaigns_again():
+    """Found by benchmarks/chaos.py (seed 18): a replica lost its leadership while etcd was out of reach,
+    so its revoke failed, and its leader key outlived the faults: etcd, electing a leader of its own,
+    extends every lease by a TTL. The replica then followed its own stale key until etcd expired it,
+    and every job waited. It revokes the lease it gave up before it campaigns again: here it leads
+    again before that lease could have run out."""
+    from aetcd import rpc
+
+    from commctx.server import start_server
+    from commctx.server.ha import Replica
+    from commctx.server.rendezvous.etcd import EtcdConfig, EtcdStore
+
+    from .etcd import Etcd, free_port
+
+    etcd = Etcd()
+    config = EtcdConfig((etcd.endpoint,), prefix="/revoke-test")
+    port = free_port()
+    replica = Replica(config, EtcdStore(config), f"127.0.0.1:{port}", 5.0)
+    server = await start_server("127.0.0.1", port, store=EtcdStore(config), replica=replica)
+    channel = grpc.aio.insecure_channel(etcd.endpoint)
+    try:
+        kv, leases = rpc.KVStub(channel), rpc.LeaseStub(channel)
+
+        async def leader_lease() -> int:
+            kvs = (await kv.Range(rpc.RangeRequest(key=config.leader_key), timeout=5)).kvs
+            return kvs[0].lease if kvs and replica.role == "leader" else 0
+
+        async def wait_for(check, what: str) -> object:
+            for _ in range(100):
+                if value := await check():
+                    return value
+                await asyncio.sleep(0.1)
+            pytest.fail(what)
+
+        async def leader_lease_other(old: int) -> int:
+            lease = await leader_lease()
+            return lease if lease != old else 0
+
+        first = await wait_for(leader_lease, "the replica never led")
+        replica._leases = _RevokeFailsOnce(replica._leases)
+        left = (await leases.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=first), timeout=5)).TTL
+        deposed = asyncio.get_running_loop().time()
+        server.deposed.set()  # as a write fenced by etcd does
+        second = await wait_for(lambda: leader_lease_other(first), "the replica never led again")
+        took = asyncio.get_running_loop().time() - deposed
+        assert replica._leases.failed  # its first revoke failed ...
+        assert took < left - 0.5, (took, left)  # ... and it led again before that lease could have expired:
+        gone = await leases.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=first), timeout=5)
+        assert gone.TTL == -1 and second != first  # it was revoked
+    finally:
+        await channel.close()
+        await server.stop(0)
+        etcd.close()
