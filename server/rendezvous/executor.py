@@ -169,15 +169,17 @@ class Executor:
                 self._busy = True
                 batch = list(self._queue)
                 writes = without_superseded([w for actions, _ in batch for w in actions.writes])
-                self._committing_since = self._machine.now()
+                if self._committing_since is None:  # from the first try: answers wait on a failing store as on a slow one
+                    self._committing_since = self._machine.now()
                 committed = not writes or await self._commit(writes)
-                took, self._committing_since = self._machine.now() - self._committing_since, None
+                took = self._machine.now() - self._committing_since
                 if not committed:
                     if self.fenced is not None:
                         return
                     self._refuse(batch)
                     await asyncio.sleep(self._retry_s)  # the disk may free up; nothing is announced meanwhile
                     continue
+                self._committing_since = None
                 if took > STALL_S:  # its answers waited on the store: their first leases count from when they can leave
                     log.warning("store_slow", extra={"fields": {"seconds": round(took, 3)}})
                     self._machine.stalled(took)
