@@ -71,11 +71,16 @@ def in_world(t: Trainer, size: int, after: float = 0.0) -> list[dict]:
 
 
 def check_steps(trainers: list[Trainer]) -> None:
-    """Each worker did every step once, in order (none lost, none twice), and
-    workers that did the same step hold the same parameters after it."""
+    """Each worker did every step once, in order (none twice), and workers that
+    did the same step hold the same parameters after it. A worker skips a step
+    only into a new world that healed it: a peer's all_reduce can complete while
+    its own, cut by the fault, does not, and the heal then gives it that peer's
+    state, which holds the step (found by the suite under load)."""
     for t in trainers:
-        numbers = [s["step"] for s in t.steps]
-        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), (t.name, numbers)
+        for before, after in zip(t.steps, t.steps[1:]):
+            assert after["step"] == before["step"] + 1 or (
+                after["step"] > before["step"] and after["generation"] != before["generation"]
+                and after["healed_from"] is not None), (t.name, before, after)
     by_step: dict[int, set[int]] = {}
     for t in trainers:
         for s in t.steps:
